@@ -1,0 +1,1 @@
+"""trioserve: an OpenAI-compatible LLM serving engine on Trio."""
