@@ -1,0 +1,5 @@
+import sys
+
+from trioserve.cli import main
+
+sys.exit(main())

@@ -1,0 +1,139 @@
+"""Command line: ``trioserve serve`` and ``trioserve mock-engine``; builds the one typed config."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+from trioserve.config import MockEngineConfig, ServeConfig
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line on stderr and exit code 2 (no usage dump)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port (0-65535), got {text}")
+    return value
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="trioserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible API server and its engine")
+    serve.add_argument("model", nargs="?", default=None, help="Hugging Face folder (default: embedded)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=_port, default=8000)
+    serve.add_argument(
+        "--engine",
+        choices=["mock", "external"],
+        default="mock",
+        help="mock: spawn the mock engine core; external: wait for engine cores at --handshake-address",
+    )
+    serve.add_argument("--handshake-address", default=None, help="ZMQ address engine cores join")
+    serve.add_argument("--tokenizer", default=None, help="Hugging Face tokenizer folder")
+    serve.add_argument("--served-model-name", nargs="+", default=None)
+    serve.add_argument("--max-model-len", type=_positive, default=8192)
+    serve.add_argument("--max-num-seqs", type=_positive, default=1024)
+    serve.add_argument("--renderer-num-workers", type=_positive, default=1)
+    serve.add_argument("--max-request-body-bytes", type=_positive, default=4 * 1024 * 1024)
+    serve.add_argument("--max-n", type=_positive, default=16, help="largest accepted `n`")
+    serve.add_argument("--output-queue-size", type=_positive, default=64)
+    serve.add_argument("--shutdown-timeout", type=float, default=5.0)
+    serve.add_argument("--engine-ready-timeout", type=float, default=120.0)
+    serve.add_argument("--vocab-size", type=_positive, default=32000, help="mock engine vocabulary")
+    serve.add_argument("--step-interval-us", type=_non_negative, default=0, help="mock engine step clock")
+    serve.add_argument("--mock-seed", type=int, default=0)
+    _add_common(serve)
+
+    mock = sub.add_parser("mock-engine", help="run a mock engine core that joins an API server")
+    mock.add_argument("--handshake-address", required=True)
+    mock.add_argument("--engine-index", type=_non_negative, default=0)
+    mock.add_argument("--vocab-size", type=_positive, default=32000)
+    mock.add_argument("--step-interval-us", type=_non_negative, default=0)
+    mock.add_argument("--max-num-seqs", type=_positive, default=1024)
+    mock.add_argument("--max-model-len", type=_positive, default=8192)
+    mock.add_argument("--seed", type=int, default=0)
+    _add_common(mock)
+    return parser
+
+
+def serve_config(ns: argparse.Namespace) -> ServeConfig:
+    if ns.engine == "external" and not ns.handshake_address:
+        raise SystemExit("trioserve serve: error: --engine external needs --handshake-address")
+    return ServeConfig(
+        model=ns.model,
+        host=ns.host,
+        port=ns.port,
+        engine=ns.engine,
+        handshake_address=ns.handshake_address,
+        tokenizer=ns.tokenizer,
+        served_model_name=tuple(ns.served_model_name or ()),
+        max_model_len=ns.max_model_len,
+        max_num_seqs=ns.max_num_seqs,
+        renderer_num_workers=ns.renderer_num_workers,
+        max_request_body_bytes=ns.max_request_body_bytes,
+        max_n=ns.max_n,
+        output_queue_size=ns.output_queue_size,
+        shutdown_timeout=ns.shutdown_timeout,
+        engine_ready_timeout=ns.engine_ready_timeout,
+        log_level=ns.log_level,
+        vocab_size=ns.vocab_size,
+        step_interval_us=ns.step_interval_us,
+        mock_seed=ns.mock_seed,
+    )
+
+
+def mock_engine_config(ns: argparse.Namespace) -> MockEngineConfig:
+    return MockEngineConfig(
+        handshake_address=ns.handshake_address,
+        engine_index=ns.engine_index,
+        vocab_size=ns.vocab_size,
+        step_interval_us=ns.step_interval_us,
+        max_num_seqs=ns.max_num_seqs,
+        max_model_len=ns.max_model_len,
+        seed=ns.seed,
+        log_level=ns.log_level,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    if ns.command == "serve":
+        config = serve_config(ns)
+        from trioserve.launch.serve import run_serve  # noqa: PLC0415  (keep --help fast)
+
+        return run_serve(config)
+    from trioserve.mock.main import run_mock_engine  # noqa: PLC0415
+
+    return run_mock_engine(mock_engine_config(ns))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

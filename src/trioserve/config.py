@@ -1,0 +1,59 @@
+"""Typed configuration, built once at the edge (``cli.py``) and passed down as plain values.
+
+Each dataclass is frozen: nothing changes a setting after start-up, so every component can read the
+value it was given without re-validating it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+EngineKind = Literal["mock", "external"]
+
+
+@dataclass(frozen=True, slots=True)
+class MockEngineConfig:
+    """The mock engine core: instant prefill, random tokens, a fixed step clock (seed 000's tool)."""
+
+    handshake_address: str
+    engine_index: int = 0
+    vocab_size: int = 32000
+    step_interval_us: int = 0  # 0: step as fast as possible
+    max_num_seqs: int = 1024
+    max_model_len: int = 8192
+    seed: int = 0
+    log_level: str = "info"
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    model: str | None = None  # a Hugging Face folder; None: the embedded default
+    host: str = "127.0.0.1"
+    port: int = 8000
+    engine: EngineKind = "mock"
+    handshake_address: str | None = None  # for --engine external: where engine cores join
+    tokenizer: str | None = None  # a Hugging Face tokenizer folder; None: the model's, or Qwen3's
+    served_model_name: tuple[str, ...] = ()
+    max_model_len: int = 8192
+    max_num_seqs: int = 1024
+    renderer_num_workers: int = 1
+    max_request_body_bytes: int = 4 * 1024 * 1024
+    max_n: int = 16
+    output_queue_size: int = 64  # engine steps buffered between the output pump and output handler
+    shutdown_timeout: float = 5.0
+    engine_ready_timeout: float = 120.0
+    log_level: str = "info"
+    # Mock engine settings, used when engine == "mock".
+    vocab_size: int = 32000
+    step_interval_us: int = 0
+    mock_seed: int = 0
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Names clients may put in ``model``; the first is the one responses report."""
+        if self.served_model_name:
+            return self.served_model_name
+        if self.model:
+            return (self.model,)
+        return ("trioserve-mock",)

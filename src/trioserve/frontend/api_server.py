@@ -1,0 +1,72 @@
+"""One API server: its tasks, all in one nursery (design §3).
+
+accept loop + fast path (``HttpServer``) · ASGI host (hypercorn + quart-trio, lifespan) · engine client
+(handshake, request sender with the abort fast path, output pump) · output handler. The renderer pool
+is ``trio.to_thread`` under a ``CapacityLimiter`` owned by ``Serving``.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from dataclasses import dataclass
+
+import zmq
+
+import trio
+from trioserve.config import ServeConfig
+from trioserve.frontend.app import create_app
+from trioserve.frontend.asgi_host import AsgiHost
+from trioserve.frontend.engine_client import EngineClient
+from trioserve.frontend.http_server import HttpServer
+from trioserve.frontend.output_handler import OutputHandler
+from trioserve.frontend.serving import Serving
+from trioserve.frontend.tokenizer import Tokenizer
+from trioserve.protocol.messages import EngineOutputs
+
+log = logging.getLogger("trioserve.frontend")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineAddresses:
+    handshake: str
+    input: str
+    output: str
+
+
+class ApiServer:
+    def __init__(
+        self,
+        config: ServeConfig,
+        tokenizer: Tokenizer,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        addresses: EngineAddresses,
+    ) -> None:
+        self.config = config
+        self.engine = EngineClient(
+            ctx,
+            handshake_address=addresses.handshake,
+            input_address=addresses.input,
+            output_address=addresses.output,
+        )
+        self.handler = OutputHandler(self.engine.abort)
+        self.serving = Serving(config, tokenizer, self.engine, self.handler)
+        self.asgi = AsgiHost(create_app(self.serving), max_body=config.max_request_body_bytes)
+        self.http = HttpServer(self.serving, self.asgi.handoff, config.max_request_body_bytes)
+
+    async def run(
+        self,
+        listener: socket.socket | None,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Start every task; ``started`` once engines are ready and the listener (if any) accepts."""
+        send, receive = trio.open_memory_channel[EngineOutputs](self.config.output_queue_size)
+        async with trio.open_nursery() as nursery:
+            with trio.fail_after(self.config.engine_ready_timeout):
+                await nursery.start(self.engine.run, send, self.serving.on_engine_dead)
+            nursery.start_soon(self.handler.run, receive)
+            await nursery.start(self.asgi.run)
+            if listener is not None:
+                await nursery.start(self.http.serve, listener)
+            task_status.started()

@@ -1,0 +1,107 @@
+"""The fast path's sink: SSE over HTTP/1.1 written straight to a non-blocking socket.
+
+h11 owns the connection's state: it produces the response head and the terminating chunk, and it has
+decided the body framing (chunked for HTTP/1.1 peers, close-delimited for HTTP/1.0). Between the two,
+this sink frames each SSE event as one chunk itself — the same bytes h11 would write, for a tenth of the
+cost — because h11's ``send(Data)`` costs ~5 µs per event, a fifth of the per-token budget.
+
+Writes are ``socket.send`` calls that never block: whatever the kernel does not take stays in
+``_buf`` and wakes the connection task, which waits for the socket to become writable and drains it.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import h11
+
+import trio
+from trioserve.frontend.sinks import Sink
+
+_SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+_DONE = b"data: [DONE]\n\n"
+
+
+class HttpSink(Sink):
+    __slots__ = ("_buf", "_chunked", "_conn", "_head_sent", "_sock", "bytes_sent", "events_sent")
+
+    def __init__(self, sock: socket.socket, conn: h11.Connection) -> None:
+        super().__init__()
+        self._sock = sock
+        self._conn = conn
+        self._buf = bytearray()
+        self._head_sent = False
+        self._chunked = conn.their_http_version != b"1.0"
+        self.events_sent = 0
+        self.bytes_sent = 0
+
+    @property
+    def backlogged(self) -> bool:
+        return bool(self._buf)
+
+    def _head(self) -> bytes:
+        self._head_sent = True
+        return self._conn.send(h11.Response(status_code=200, headers=_SSE_HEADERS)) or b""
+
+    def events(self, payloads: list[bytes]) -> None:
+        self.events_sent += len(payloads)
+        if self._chunked:
+            # One chunk per event: "<hex len>\r\ndata: <json>\n\n\r\n"; 8 = len("data: ") + len("\n\n").
+            data = b"".join([b"%x\r\ndata: %b\n\n\r\n" % (len(p) + 8, p) for p in payloads])
+        else:
+            data = b"".join([b"data: %b\n\n" % p for p in payloads])
+        self._write(data if self._head_sent else self._head() + data)
+
+    def end(self) -> None:
+        done = b"%x\r\n%b\r\n" % (len(_DONE), _DONE) if self._chunked else _DONE
+        head = b"" if self._head_sent else self._head()
+        self._write(head + done + (self._conn.send(h11.EndOfMessage()) or b""))
+
+    def full(self, status: int, body: bytes, *, close: bool = False) -> None:
+        conn = self._conn
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        if close:  # e.g. a 413 sent before the body was read: the connection cannot be reused
+            headers.append((b"connection", b"close"))
+        self._head_sent = True
+        data = (conn.send(h11.Response(status_code=status, headers=headers)) or b"") + (
+            conn.send(h11.Data(data=body)) or b""
+        )
+        self._write(data + (conn.send(h11.EndOfMessage()) or b""))
+        self.waker.set()
+
+    def _write(self, data: bytes) -> None:
+        if self.closed:
+            return
+        if self._buf:
+            self._buf += data
+            return
+        try:
+            sent = self._sock.send(data)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            self.closed = True
+            self.waker.set()
+            return
+        self.bytes_sent += sent
+        if sent < len(data):
+            self._buf += memoryview(data)[sent:]
+            self.waker.set()
+
+    async def flush(self) -> None:
+        """Wait until every buffered byte is in the kernel (or the peer is gone)."""
+        while self._buf and not self.closed:
+            await trio.lowlevel.wait_writable(self._sock)
+            try:
+                sent = self._sock.send(self._buf)
+            except BlockingIOError:
+                continue
+            except OSError:
+                self.closed = True
+                return
+            self.bytes_sent += sent
+            del self._buf[:sent]

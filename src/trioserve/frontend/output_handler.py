@@ -1,0 +1,96 @@
+"""The output handler: once per engine step, the per-token work for every request in one pass.
+
+For each request output in a step: incremental detokenize, stop-string check, hand the delta to the
+request's response (which encodes and writes it, or merges it while its sink is backlogged). Nothing
+here awaits, so one step costs one task wakeup however many requests it carries, and requests that
+hit a stop string are aborted on the engine in one message at the end of the step (the abort fast
+path: the engine client sends aborts ahead of any queued adds).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import trio
+from trioserve.frontend.detokenizer import IncrementalDetokenizer
+from trioserve.frontend.responses import Response
+from trioserve.frontend.stop_strings import StopStringMatcher
+from trioserve.protocol.messages import EngineOutputs, EngineStats
+
+log = logging.getLogger("trioserve.frontend")
+
+
+@dataclass(slots=True)
+class ChoiceState:
+    """One engine request: one choice of one response."""
+
+    request_id: str
+    index: int
+    response: Response
+    detokenizer: IncrementalDetokenizer
+    stop: StopStringMatcher | None
+
+
+class OutputHandler:
+    def __init__(self, abort: Callable[[list[str]], None]) -> None:
+        self._abort = abort
+        self.choices: dict[str, ChoiceState] = {}
+        self.engine_stats: dict[int, EngineStats] = {}
+        self.steps_processed = 0
+        self.tokens_processed = 0
+
+    def register(self, choice: ChoiceState) -> None:
+        self.choices[choice.request_id] = choice
+
+    def forget(self, request_ids: list[str]) -> list[str]:
+        """Drop these requests; returns the ones that were still running (the caller aborts them)."""
+        return [rid for rid in request_ids if self.choices.pop(rid, None) is not None]
+
+    async def run(self, steps: trio.MemoryReceiveChannel[EngineOutputs]) -> None:
+        async for step in steps:
+            self.process(step)
+
+    def process(self, step: EngineOutputs) -> None:
+        self.steps_processed += 1
+        self.engine_stats[step.engine_index] = step.stats
+        choices = self.choices
+        to_abort: list[str] = []
+        tokens = 0
+        for out in step.outputs:
+            choice = choices.get(out.request_id)
+            if choice is None:
+                continue  # finished or cancelled here; the engine's abort may still be in flight
+            ids = out.new_token_ids
+            tokens += len(ids)
+            finish = out.finish_reason
+            if finish == "error":
+                del choices[out.request_id]
+                choice.response.fail(400, out.error or "the engine failed this request")
+                continue
+            detok = choice.detokenizer
+            text = detok.step(ids[0]) if len(ids) == 1 else detok.step_many(ids)
+            stop_reason: int | str | None = out.stop_token_id
+            if choice.stop is not None:
+                result = choice.stop.feed(text)
+                text = result.text
+                if result.matched is not None:
+                    if finish is None:
+                        to_abort.append(out.request_id)
+                    finish, stop_reason = "stop", result.matched
+                elif finish is not None:
+                    text += choice.stop.flush()
+            if finish is not None:
+                del choices[out.request_id]
+            choice.response.on_delta(choice.index, text, ids, finish, stop_reason)
+        self.tokens_processed += tokens
+        if to_abort:
+            self._abort(to_abort)
+
+    def fail_all(self, status: int, message: str) -> None:
+        """The engine is gone: every running request ends with an error the client sees."""
+        responses = {id(c.response): c.response for c in self.choices.values()}
+        self.choices.clear()
+        for response in responses.values():
+            response.fail(status, message)

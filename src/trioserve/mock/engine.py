@@ -1,0 +1,121 @@
+"""The mock engine core's Trio shell: input pumps, a busy loop on a fixed step clock, outputs.
+
+Timing model (what a GPU would do, minus the GPU): a step starts as soon as there is work and lasts
+``step_interval_us``; its tokens are produced at the end of the step. Back-to-back steps follow the
+clock exactly; a step that starts late (the loop was busy) starts at once and later steps are spaced
+from there (tokio's ``MissedTickBehavior::Delay``, as in seed 000's patch). Aborts that arrive during a
+step are applied before that step's tokens are made, so a stop-string abort costs at most one step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import trio.lowlevel
+import zmq
+
+import trio
+from trioserve.config import MockEngineConfig
+from trioserve.engine.handshake import EngineSockets, join_frontends
+from trioserve.mock.core import MockCore
+from trioserve.protocol.codec import ProtocolError, engine_input_codec, engine_output_codec
+from trioserve.protocol.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineOutputs,
+    EngineReady,
+    RequestOutput,
+    ShutdownEngine,
+)
+from trioserve.transport.zmq_socket import TrioZmqSocket
+
+log = logging.getLogger("trioserve.mock")
+
+
+class MockEngine:
+    def __init__(self, config: MockEngineConfig, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+        self.config = config
+        self._ctx = ctx
+        self.core = MockCore(
+            vocab_size=config.vocab_size,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=config.max_model_len,
+            seed=config.seed,
+        )
+        self.step_count = 0
+        self._rejected: dict[int, list[RequestOutput]] = {}  # client -> error outputs for next send
+        self._work = trio.Event()
+        self._shutdown = trio.Event()
+        self._in_codec = engine_input_codec()
+        self._out_codec = engine_output_codec()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        cfg = self.config
+        ready = EngineReady(
+            engine_index=cfg.engine_index,
+            pid=os.getpid(),
+            kind="mock",
+            max_model_len=cfg.max_model_len,
+            max_num_seqs=cfg.max_num_seqs,
+            vocab_size=cfg.vocab_size,
+        )
+        sockets = await join_frontends(self._ctx, cfg.handshake_address, ready)
+        try:
+            async with trio.open_nursery() as nursery:
+                for sock in sockets.inputs:
+                    nursery.start_soon(self._input_pump, sock)
+                task_status.started()
+                log.info("mock engine %d ready (step %d us)", cfg.engine_index, cfg.step_interval_us)
+                await self._busy_loop(sockets)
+                nursery.cancel_scope.cancel()
+        finally:
+            sockets.close()
+
+    async def _input_pump(self, sock: TrioZmqSocket) -> None:
+        while True:
+            frames = await sock.recv_multipart()
+            try:
+                msg = self._in_codec.decode(frames[-1])
+            except ProtocolError as exc:
+                log.warning("dropping frame: %s", exc)
+                continue
+            match msg:
+                case AddRequest():
+                    rejected = self.core.add(msg)
+                    if rejected is not None:
+                        self._rejected.setdefault(msg.client_index, []).append(rejected)
+                    self._work.set()
+                case AbortRequests(request_ids=ids):
+                    self.core.abort(ids)
+                case ShutdownEngine():
+                    self._shutdown.set()
+                    self._work.set()
+
+    async def _busy_loop(self, sockets: EngineSockets) -> None:
+        interval = self.config.step_interval_us / 1e6
+        next_start = trio.current_time()
+        while not self._shutdown.is_set():
+            if not self.core.has_work and not self._rejected:
+                self._work = trio.Event()
+                await self._work.wait()
+                continue
+            start = max(next_start, trio.current_time())
+            if interval > 0:
+                next_start = start + interval
+                await trio.sleep_until(next_start)
+            else:
+                await trio.lowlevel.checkpoint()  # let the input pumps run between steps
+            per_client = self.core.step()
+            for client, outs in self._rejected.items():
+                per_client.setdefault(client, []).extend(outs)
+            self._rejected = {}
+            self.step_count += 1
+            stats = self.core.stats()
+            now = time.time()
+            for client, outs in per_client.items():
+                frame = self._out_codec.encode(
+                    EngineOutputs(self.config.engine_index, self.step_count, now, outs, stats)
+                )
+                await sockets.outputs[client].send_multipart([frame])

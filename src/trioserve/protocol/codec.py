@@ -1,0 +1,52 @@
+"""One typed encoder/decoder pair per direction; garbage frames become ``ProtocolError``."""
+
+from __future__ import annotations
+
+from typing import Generic, TypeVar
+
+import msgspec
+
+from trioserve.protocol.messages import EngineInput, EngineOutputMessage, HandshakeMessage
+
+T = TypeVar("T")
+
+
+class ProtocolError(Exception):
+    """A frame that does not decode as the message union expected on this socket."""
+
+
+class Codec(Generic[T]):
+    """Encodes any message and decodes frames against one message union.
+
+    The encoder reuses an internal buffer (``encode_into``) for senders that want it; decoding never
+    raises anything but ``ProtocolError`` so socket owner tasks can log and drop a bad frame without
+    dying.
+    """
+
+    __slots__ = ("_decoder", "_encoder", "name")
+
+    def __init__(self, union: type[T] | object, name: str) -> None:
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder: msgspec.msgpack.Decoder[T] = msgspec.msgpack.Decoder(union)  # type: ignore[arg-type]
+        self.name = name
+
+    def encode(self, message: msgspec.Struct) -> bytes:
+        return self._encoder.encode(message)
+
+    def decode(self, frame: bytes | bytearray | memoryview) -> T:
+        try:
+            return self._decoder.decode(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise ProtocolError(f"bad {self.name} frame ({len(frame)} bytes): {exc}") from None
+
+
+def handshake_codec() -> Codec[HandshakeMessage]:
+    return Codec(HandshakeMessage, "handshake")
+
+
+def engine_input_codec() -> Codec[EngineInput]:
+    return Codec(EngineInput, "engine input")
+
+
+def engine_output_codec() -> Codec[EngineOutputMessage]:
+    return Codec(EngineOutputMessage, "engine output")

@@ -1,0 +1,158 @@
+"""Wire messages between API servers and engine cores (design §5).
+
+Every message is a msgspec Struct encoded as a msgpack array (``array_like``) whose first element is
+its tag. Rules that keep old and new processes able to talk:
+
+- Fields are append-only and every appended field has a default. An older decoder skips trailing
+  elements it does not know (msgspec ignores unknown trailing array items by default); a newer decoder
+  fills missing trailing fields with their defaults.
+- Requests carry token ids, never text: the API server owns tokenizing and detokenizing.
+- No pickle anywhere: a frame is decoded against one of the unions below or rejected.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+# The reasons a request can finish, as the engine reports them. "stop" covers EOS and stop token ids
+# (the engine sees them as soon as it samples them); stop *strings* are matched in the API server,
+# which then aborts the request on the engine.
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class _Wire(msgspec.Struct, array_like=True, gc=False):
+    """Base for wire structs: positional encoding, no GC tracking (the structs are acyclic)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Handshake: an engine core joins an API server (or, later, the supervisor) at its handshake address.
+#   engine --Hello-->   frontend
+#   engine <--Welcome-- frontend     (where to connect its DEALER and PUSH sockets)
+#   engine --Ready-->   frontend     (sent on the DEALER once connected; carries engine limits)
+# --------------------------------------------------------------------------------------------------
+
+
+class ClientAddresses(_Wire):
+    """One API server's sockets, as an engine must connect to them. Index in the list = client_index."""
+
+    input_address: str  # API server's ROUTER; the engine connects a DEALER (requests in)
+    output_address: str  # API server's PULL; the engine connects a PUSH (outputs out)
+
+
+class EngineHello(_Wire, tag="hello"):
+    engine_index: int
+    pid: int
+    protocol_version: int = PROTOCOL_VERSION
+
+
+class Welcome(_Wire, tag="welcome"):
+    clients: list[ClientAddresses]
+    protocol_version: int = PROTOCOL_VERSION
+
+
+class EngineReady(_Wire, tag="ready"):
+    engine_index: int
+    pid: int
+    kind: str  # "mock" or "model": what executes steps behind this engine core
+    max_model_len: int
+    max_num_seqs: int
+    vocab_size: int
+    num_kv_blocks: int = 0  # 0: the engine keeps no KV ledger (the mock engine by default)
+    block_size: int = 0
+    protocol_version: int = PROTOCOL_VERSION
+
+
+HandshakeMessage = EngineHello | Welcome | EngineReady
+
+
+# --------------------------------------------------------------------------------------------------
+# API server -> engine (ROUTER -> DEALER).
+# --------------------------------------------------------------------------------------------------
+
+
+class SamplingParams(_Wire):
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: disabled
+    seed: int | None = None
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    ignore_eos: bool = False  # EOS does not stop the request; stop_token_ids still do (as in vLLM)
+    min_tokens: int = 0
+
+
+class AddRequest(_Wire, tag="add"):
+    request_id: str  # unique across the deployment: "<http id>-<choice index>"
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival_time: float  # wall clock (time.time()) when the API server received the request
+    client_index: int = 0  # which API server owns this request: outputs go to its PUSH socket
+    priority: int = 0
+    cache_salt: str | None = None
+    eos_token_id: int | None = None  # the tokenizer's EOS; stops the request unless ignore_eos
+
+
+class AbortRequests(_Wire, tag="abort"):
+    request_ids: list[str]
+
+
+class ShutdownEngine(_Wire, tag="shutdown"):
+    reason: str = ""
+
+
+EngineInput = AddRequest | AbortRequests | ShutdownEngine
+
+
+# --------------------------------------------------------------------------------------------------
+# Engine -> API server (PUSH -> PULL): one EngineOutputs per engine step per client.
+# --------------------------------------------------------------------------------------------------
+
+RequestEventKind = Literal["queued", "scheduled", "preempted"]
+
+
+class RequestEvent(_Wire):
+    kind: RequestEventKind
+    timestamp: float  # engine wall clock
+
+
+class RequestOutput(_Wire):
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_token_id: int | None = None  # the token that stopped it, when finish_reason == "stop"
+    num_cached_tokens: int = 0
+    error: str | None = None  # set with finish_reason == "error": why the engine refused or failed it
+    events: list[RequestEvent] | None = None
+
+
+class EngineStats(_Wire):
+    """Queue stats of one engine, sent with every step so API servers need no extra round trip."""
+
+    num_waiting: int
+    num_running: int
+    kv_usage: float = 0.0  # fraction of KV blocks in use, 0..1
+    num_preemptions: int = 0  # cumulative
+    prefix_cache_queries: int = 0  # cumulative tokens looked up
+    prefix_cache_hits: int = 0  # cumulative tokens found
+
+
+class EngineOutputs(_Wire, tag="out"):
+    engine_index: int
+    step: int  # engine step counter, strictly increasing per engine
+    timestamp: float  # engine wall clock at the end of the step
+    outputs: list[RequestOutput]
+    stats: EngineStats
+
+
+class EngineDead(_Wire, tag="dead"):
+    """An engine core that hits an unrecoverable error says so before it exits."""
+
+    engine_index: int
+    reason: str
+
+
+EngineOutputMessage = EngineOutputs | EngineDead

@@ -1,0 +1,100 @@
+"""A Trio-awaitable wrapper around one pyzmq socket.
+
+pyzmq has no Trio integration, so this follows the rules libzmq sets for foreign event loops:
+
+- ``zmq.FD`` is *edge*-triggered and shared by both directions: it signals that ``zmq.EVENTS`` may have
+  changed, not that a message is waiting. So every wait first re-reads ``zmq.EVENTS`` and only parks on
+  the FD when the wanted bit is clear, and every receive drains with non-blocking calls before waiting.
+- Exactly one task owns a socket (Trio also refuses two waiters on one FD with ``BusyResourceError``).
+  Other tasks talk to the owner through memory channels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import zmq
+
+import trio
+
+
+class TrioZmqSocket:
+    __slots__ = ("_fd", "_sock", "closed")
+
+    def __init__(self, sock: zmq.Socket[bytes]) -> None:
+        self._sock = sock
+        self._fd: int = sock.getsockopt(zmq.FD)
+        self.closed = False
+
+    @classmethod
+    def create(
+        cls,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        kind: int,
+        *,
+        bind: str | None = None,
+        connect: str | None = None,
+        identity: bytes | None = None,
+        sndhwm: int = 1000,
+        rcvhwm: int = 1000,
+    ) -> TrioZmqSocket:
+        sock = ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, sndhwm)
+        sock.setsockopt(zmq.RCVHWM, rcvhwm)
+        if identity is not None:
+            sock.setsockopt(zmq.IDENTITY, identity)
+        if bind is not None:
+            sock.bind(bind)
+        if connect is not None:
+            sock.connect(connect)
+        return cls(sock)
+
+    @property
+    def raw(self) -> zmq.Socket[bytes]:
+        return self._sock
+
+    @property
+    def last_endpoint(self) -> str:
+        value = self._sock.getsockopt(zmq.LAST_ENDPOINT)
+        return value.decode() if isinstance(value, bytes) else str(value)
+
+    async def _wait(self, flag: int) -> None:
+        while not self._sock.getsockopt(zmq.EVENTS) & flag:
+            await trio.lowlevel.wait_readable(self._fd)
+
+    def try_recv_multipart(self) -> list[bytes] | None:
+        """One message if one is queued, else None; never blocks."""
+        try:
+            return self._sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+
+    async def recv_multipart(self) -> list[bytes]:
+        while True:
+            frames = self.try_recv_multipart()
+            if frames is not None:
+                await trio.lowlevel.checkpoint_if_cancelled()
+                return frames
+            await self._wait(zmq.POLLIN)
+
+    def try_send_multipart(self, frames: Sequence[bytes | memoryview]) -> bool:
+        """Queue one message if the high-water mark allows; False when the socket is full."""
+        try:
+            self._sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return False
+        return True
+
+    async def send_multipart(self, frames: Sequence[bytes | memoryview]) -> None:
+        """Send one message, waiting while the peer's high-water mark is reached."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        while not self.try_send_multipart(frames):
+            await self._wait(zmq.POLLOUT)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        trio.lowlevel.notify_closing(self._fd)
+        self._sock.close(linger=0)
