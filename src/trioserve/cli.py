@@ -127,10 +127,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     if ns.command == "serve":
         config = serve_config(ns)
-        from trioserve.launch.serve import run_serve  # noqa: PLC0415  (keep --help fast)
+        from trioserve.launch.serve import run_serve
 
         return run_serve(config)
-    from trioserve.mock.main import run_mock_engine  # noqa: PLC0415
+    from trioserve.mock.main import run_mock_engine
 
     return run_mock_engine(mock_engine_config(ns))
 

@@ -33,6 +33,11 @@ def _json(body: bytes, status: int = 200) -> QuartResponse:
     return QuartResponse(body, status=status, content_type="application/json")
 
 
+async def _body() -> bytes:
+    data = await request.get_data()
+    return data if isinstance(data, bytes) else data.encode()
+
+
 def _error(exc: ApiError) -> QuartResponse:
     return _json(exc.body(), exc.status)
 
@@ -90,7 +95,7 @@ def create_app(serving: Serving) -> QuartTrio:
 
     @app.post("/tokenize")
     async def tokenize() -> QuartResponse:
-        req = decode_body(await request.get_data(), TokenizeRequest)
+        req = decode_body(await _body(), TokenizeRequest)
         resolve_model(req.model, config.model_names)
         tok = serving.tokenizer
         if req.messages is not None:
@@ -105,7 +110,7 @@ def create_app(serving: Serving) -> QuartTrio:
 
     @app.post("/detokenize")
     async def detokenize() -> QuartResponse:
-        req = decode_body(await request.get_data(), DetokenizeRequest)
+        req = decode_body(await _body(), DetokenizeRequest)
         resolve_model(req.model, config.model_names)
         vocab = serving.tokenizer.vocab_size
         if any(not 0 <= t < vocab for t in req.tokens):
@@ -115,7 +120,7 @@ def create_app(serving: Serving) -> QuartTrio:
 
     async def generate(kind: Kind) -> QuartResponse:
         sink = SseQueueSink()
-        response = await serving.start(kind, await request.get_data(), sink)
+        response = await serving.start(kind, await _body(), sink)
         if not response.options.stream:
             try:
                 while not sink.ended:
@@ -179,7 +184,7 @@ async def _serve_websocket(serving: Serving) -> None:
                 response.on_drained()
             for message in batch:
                 await websocket.send(message.decode())
-            for rid, (response, sink) in list(running.items()):
+            for rid, (_response, sink) in list(running.items()):
                 if sink.finished:
                     del running[rid]
 
@@ -207,7 +212,9 @@ async def _serve_websocket(serving: Serving) -> None:
                     msg = _ws_decoder.decode(raw)
                 except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                     error = msgspec.json.decode(error_body(400, f"bad message: {exc}"))["error"]
-                    outbox.append(msgspec.json.encode({"type": "error", "id": None, "status": 400, "error": error}))
+                    outbox.append(
+                        msgspec.json.encode({"type": "error", "id": None, "status": 400, "error": error})
+                    )
                     writer.set()
                     continue
                 if isinstance(msg, WsCancel):

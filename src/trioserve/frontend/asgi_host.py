@@ -81,5 +81,7 @@ class AsgiHost:
     async def handoff(self, sock: socket.socket, prefix: bytes) -> None:
         """Serve this connection with hypercorn until it closes; ``prefix`` was already read."""
         stream = PrefixedStream(trio.SocketStream(trio.socket.from_stdlib_socket(sock)), prefix)
-        server = TCPServer(self._app, self._config, self._context, ConnectionState(self._state.copy()), stream)
+        state = ConnectionState(self._state.copy())
+        # TCPServer is typed for an SSLStream but serves any stream (it probes for TLS).
+        server = TCPServer(self._app, self._config, self._context, state, stream)  # type: ignore[arg-type]
         await server.run()

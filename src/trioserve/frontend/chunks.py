@@ -42,7 +42,9 @@ class ChunkEncoder:
         # chat:  {"index":i,"delta":{"content":"..."},"logprobs":null,"finish_reason":...}
         # text:  {"index":i,"text":"...","logprobs":null,"finish_reason":...}
         self._text_key = b',"delta":{"content":' if kind == "chat" else b',"text":'
-        self._after_text = b'},"logprobs":null,"finish_reason":' if kind == "chat" else b',"logprobs":null,"finish_reason":'
+        self._after_text = (
+            b'},"logprobs":null,"finish_reason":' if kind == "chat" else b',"logprobs":null,"finish_reason":'
+        )
 
     def delta(
         self,
@@ -69,9 +71,11 @@ class ChunkEncoder:
 
     def role(self, index: int) -> bytes:
         """The first chunk of a chat choice: the assistant role and empty content (OpenAI's shape)."""
-        return self._head + b'{"index":%d,"delta":{"role":"assistant","content":""},"logprobs":null,' % (
-            index
-        ) + b'"finish_reason":null}]}'
+        return (
+            self._head
+            + b'{"index":%d,"delta":{"role":"assistant","content":""},"logprobs":null,' % (index)
+            + b'"finish_reason":null}]}'
+        )
 
     def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
         usage = Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)

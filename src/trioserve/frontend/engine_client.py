@@ -92,11 +92,9 @@ class EngineClient:
                 nursery.start_soon(self._send_loop, router)
                 nursery.start_soon(self._recv_loop, pull, outputs, on_dead)
         finally:
-            with trio.CancelScope(shield=True):
-                for index in self.engines:
-                    router.try_send_multipart(
-                        [engine_identity(index), self._in_codec.encode(ShutdownEngine("api server exit"))]
-                    )
+            goodbye = self._in_codec.encode(ShutdownEngine("api server exit"))
+            for index in self.engines:
+                router.try_send_multipart([engine_identity(index), goodbye])
             router.close()
             pull.close()
 

@@ -59,7 +59,7 @@ class HttpConnection:
             self._h11.receive_data(data)
             return data
 
-    async def _next_event(self) -> h11.Event | type[h11.PAUSED]:
+    async def _next_event(self) -> h11.Event | type[h11.PAUSED] | type[h11.NEED_DATA]:
         while True:
             try:
                 event = self._h11.next_event()
@@ -112,7 +112,7 @@ class HttpConnection:
                 self._too_large()
                 return None
         if self._h11.they_are_waiting_for_100_continue:
-            self._sock.sendall(self._h11.send(h11.InformationalResponse(status_code=100)) or b"")
+            self._sock.sendall(self._h11.send(h11.InformationalResponse(status_code=100, headers=[])) or b"")
         body = bytearray()
         while True:
             event = await self._next_event()

@@ -23,7 +23,7 @@ from trioserve.frontend.errors import ApiError
 from trioserve.frontend.openai_schema import ChatCompletionRequest, ChatMessage, CompletionRequest
 from trioserve.frontend.output_handler import ChoiceState, OutputHandler
 from trioserve.frontend.responses import CollectingResponse, Response, StreamingResponse
-from trioserve.frontend.sinks import Sink
+from trioserve.frontend.sinks import Sink, Waker
 from trioserve.frontend.stop_strings import StopStringMatcher
 from trioserve.frontend.tokenizer import Tokenizer
 from trioserve.frontend.validate import decode_body, output_options, sampling_params
@@ -60,6 +60,7 @@ class Serving:
         self.dead_reason: str | None = None
         self._limiter = trio.CapacityLimiter(config.renderer_num_workers)
         self.active: set[Response] = set()
+        self._finished = Waker()  # set whenever a response leaves ``active``
 
     # ---- rendering (on the renderer pool) -------------------------------------------------------------
 
@@ -129,7 +130,11 @@ class Serving:
             detok = self.tokenizer.detokenizer(options.skip_special_tokens)
             self.handler.register(ChoiceState(request_id, i, response, detok, stop))
             # Parallel samples with a seed get distinct but reproducible seeds (as vLLM does).
-            sp = params if params.seed is None or i == 0 else msgspec.structs.replace(params, seed=params.seed + i)
+            sp = (
+                params
+                if params.seed is None or i == 0
+                else msgspec.structs.replace(params, seed=params.seed + i)
+            )
             self.engine.add(
                 AddRequest(
                     request_id,
@@ -147,12 +152,21 @@ class Serving:
         """The client went away (or the server is stopping): stop its engine requests now."""
         self.engine.abort(self.handler.forget(response.request_ids))
         response.done = True
-        self.active.discard(response)
+        self._retire(response)
 
     def _on_done(self, response: Response) -> None:
         # A response can finish while some choices still run (an engine error on one choice).
         self.engine.abort(self.handler.forget(response.request_ids))
+        self._retire(response)
+
+    def _retire(self, response: Response) -> None:
         self.active.discard(response)
+        self._finished.set()
+
+    async def drained(self) -> None:
+        """Returns once no response is in flight (graceful shutdown waits on this)."""
+        while self.active:
+            await self._finished.wait()
 
     def on_engine_dead(self, reason: str) -> None:
         if self.dead_reason is None:

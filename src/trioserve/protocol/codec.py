@@ -27,7 +27,7 @@ class Codec(Generic[T]):
 
     def __init__(self, union: type[T] | object, name: str) -> None:
         self._encoder = msgspec.msgpack.Encoder()
-        self._decoder: msgspec.msgpack.Decoder[T] = msgspec.msgpack.Decoder(union)  # type: ignore[arg-type]
+        self._decoder: msgspec.msgpack.Decoder[T] = msgspec.msgpack.Decoder(union)
         self.name = name
 
     def encode(self, message: msgspec.Struct) -> bytes:

@@ -23,7 +23,7 @@ class TrioZmqSocket:
 
     def __init__(self, sock: zmq.Socket[bytes]) -> None:
         self._sock = sock
-        self._fd: int = sock.getsockopt(zmq.FD)
+        self._fd = int(sock.getsockopt(zmq.FD))
         self.closed = False
 
     @classmethod
@@ -60,7 +60,7 @@ class TrioZmqSocket:
         return value.decode() if isinstance(value, bytes) else str(value)
 
     async def _wait(self, flag: int) -> None:
-        while not self._sock.getsockopt(zmq.EVENTS) & flag:
+        while not int(self._sock.getsockopt(zmq.EVENTS)) & flag:
             await trio.lowlevel.wait_readable(self._fd)
 
     def try_recv_multipart(self) -> list[bytes] | None:

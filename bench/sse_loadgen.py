@@ -1,0 +1,733 @@
+"""Closed-loop load generator for streamed OpenAI chat completions.
+
+Each of N clients keeps one HTTP/1.1 keep-alive connection, POSTs a streaming chat request, reads the SSE
+stream to ``data: [DONE]`` and the end of the chunked body, and sends the next request at once. The HTTP
+side is deliberately minimal so that the client is never the bottleneck: non-blocking stdlib sockets driven
+by ``trio.lowlevel.wait_readable`` (one wakeup and one ``recv`` per arrival, no stream wrappers), a
+hand-written status-line / header / chunked / SSE reader, and one ``msgspec`` decode per event into a
+struct that only keeps ``choices[].token_ids`` and ``choices[].delta.content``.
+
+It measures over a steady-state window: client-side token and SSE-event counts, tokens per event, TTFT of
+the requests sent inside the window, failures, and the CPU time (``utime + stime`` from ``/proc/PID/stat``)
+of any processes named with ``--watch NAME=PID`` plus its own. The result is written as JSON.
+
+Run standalone::
+
+    python bench/sse_loadgen.py --port 8000 --clients 256 --output-len 256 --watch server=1234
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import math
+import os
+import random
+import resource
+import socket
+import sys
+import time
+from collections.abc import Sequence
+
+import msgspec
+
+import trio
+
+# ---------------------------------------------------------------------------------------------- /proc
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def proc_stat_fields(pid: int) -> list[str] | None:
+    """Fields of ``/proc/PID/stat`` after the ``comm`` field (index 0 is field 3, ``state``)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    return raw[raw.rfind(b")") + 2 :].decode().split()
+
+
+def proc_cpu_seconds(pid: int) -> float | None:
+    """utime + stime of the whole thread group, in seconds; None if the process is gone."""
+    fields = proc_stat_fields(pid)
+    if fields is None or fields[0] in ("Z", "X"):
+        return None
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
+# ------------------------------------------------------------------------------------------ parsing
+
+
+class _Delta(msgspec.Struct):
+    content: str | None = None
+
+
+class _Choice(msgspec.Struct):
+    delta: _Delta | None = None
+    token_ids: list[int] | None = None
+
+
+class _Chunk(msgspec.Struct):
+    choices: list[_Choice] = []
+    error: object = None
+
+
+_decode_chunk = msgspec.json.Decoder(_Chunk).decode
+
+HIST_MAX = 64  # tokens-per-event histogram buckets; the last one means ">= HIST_MAX"
+
+
+class Counters:
+    """Running totals shared by all clients (one trio thread, so plain ints are consistent)."""
+
+    __slots__ = ("bad_events", "hist", "no_token_ids", "sse_events", "token_events", "tokens")
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.token_events = 0  # SSE events that carried at least one token
+        self.sse_events = 0  # all data events except [DONE]
+        self.no_token_ids = 0  # token events without token_ids (counted as one token each)
+        self.bad_events = 0  # undecodable data events
+        self.hist = [0] * (HIST_MAX + 1)
+
+    def snapshot(self) -> Counters:
+        c = Counters()
+        c.tokens, c.token_events, c.sse_events = self.tokens, self.token_events, self.sse_events
+        c.no_token_ids, c.bad_events, c.hist = self.no_token_ids, self.bad_events, list(self.hist)
+        return c
+
+
+_HEAD, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_CRLF, _TRAILER, _LENGTH, _EOF, _COMPLETE = range(8)
+
+
+class ResponseParser:
+    """Incremental reader of one HTTP/1.1 response carrying an SSE stream.
+
+    ``feed`` takes bytes as they arrive; ``complete`` turns true at the end of the body (the terminal
+    chunk of a chunked body, Content-Length reached); ``eof`` handles a close. ``error`` names the first
+    failure seen (non-200 status, stream error event, malformed framing, truncated stream).
+    """
+
+    __slots__ = (
+        "_buf",
+        "_crlf",
+        "_left",
+        "_sse",
+        "_state",
+        "complete",
+        "counters",
+        "done_seen",
+        "error",
+        "error_body",
+        "first_token_at",
+        "keep_alive",
+        "last_token_at",
+        "status",
+        "tokens",
+    )
+
+    def __init__(self, counters: Counters) -> None:
+        self.counters = counters
+        self._buf = bytearray()
+        self._sse = bytearray()
+        self._state = _HEAD
+        self._left = 0
+        self._crlf = False
+        self.status = 0
+        self.keep_alive = True
+        self.complete = False
+        self.done_seen = False
+        self.error: str | None = None
+        self.error_body = bytearray()
+        self.tokens = 0
+        self.first_token_at = 0.0
+        self.last_token_at = 0.0
+
+    # -- framing ------------------------------------------------------------------------------------
+
+    def feed(self, data: bytes, now: float) -> None:
+        if self._state == _HEAD:
+            self._buf += data
+            end = self._buf.find(b"\r\n\r\n")
+            if end < 0:
+                if len(self._buf) > 65536:
+                    self._fail("header too large")
+                return
+            self._head(bytes(self._buf[:end]))
+            data = bytes(self._buf[end + 4 :])
+            self._buf.clear()
+            if self._state == _COMPLETE or not data:
+                return
+        state = self._state
+        if state == _LENGTH:
+            take = data[: self._left]
+            self._left -= len(take)
+            self._body(take, now)
+            if self._left == 0:
+                self._finish()
+        elif state == _EOF:
+            self._body(data, now)
+        elif state != _COMPLETE:
+            self._chunked(data, now)
+
+    def eof(self, now: float) -> None:
+        """The peer closed the connection."""
+        if self._state == _EOF:
+            self._finish()
+        elif not self.complete:
+            self._fail("truncated stream")
+        self.keep_alive = False
+
+    def _head(self, head: bytes) -> None:
+        lines = head.split(b"\r\n")
+        parts = lines[0].split(b" ", 2)
+        try:
+            self.status = int(parts[1])
+        except (IndexError, ValueError):
+            self._fail("bad status line")
+            return
+        http10 = parts[0] == b"HTTP/1.0"
+        chunked = False
+        length = -1
+        conn = b""
+        for line in lines[1:]:
+            name, _, value = line.partition(b":")
+            name = name.strip().lower()
+            if name == b"transfer-encoding":
+                chunked = b"chunked" in value.lower()
+            elif name == b"content-length":
+                length = int(value.strip())
+            elif name == b"connection":
+                conn = value.strip().lower()
+        self.keep_alive = (conn == b"keep-alive") if http10 else (conn != b"close")
+        if self.status != 200:
+            self.error = f"http {self.status}"
+        if chunked:
+            self._state = _CHUNK_SIZE
+        elif length >= 0:
+            self._left = length
+            self._state = _LENGTH
+            if length == 0:
+                self._finish()
+        else:
+            self._state = _EOF
+            self.keep_alive = False
+
+    def _chunked(self, data: bytes, now: float) -> None:
+        buf = self._buf
+        buf += data
+        pos = 0
+        end = len(buf)
+        state = self._state
+        while pos < end:
+            if state == _CHUNK_DATA:
+                take = min(self._left, end - pos)
+                self._body(buf[pos : pos + take], now)
+                pos += take
+                self._left -= take
+                if self._left:
+                    break
+                state = _CHUNK_CRLF
+            elif state == _CHUNK_CRLF:
+                if end - pos < 2:
+                    break
+                if buf[pos : pos + 2] != b"\r\n":
+                    self._fail("bad chunk framing")
+                    return
+                pos += 2
+                state = _CHUNK_SIZE
+            elif state == _CHUNK_SIZE:
+                nl = buf.find(b"\r\n", pos)
+                if nl < 0:
+                    break
+                try:
+                    size = int(buf[pos:nl].split(b";", 1)[0], 16)
+                except ValueError:
+                    self._fail("bad chunk size")
+                    return
+                pos = nl + 2
+                if size == 0:
+                    state = _TRAILER
+                else:
+                    self._left = size
+                    state = _CHUNK_DATA
+            else:  # _TRAILER: lines up to an empty one
+                nl = buf.find(b"\r\n", pos)
+                if nl < 0:
+                    break
+                empty = nl == pos
+                pos = nl + 2
+                if empty:
+                    self._state = state
+                    del buf[:pos]
+                    self._finish()
+                    return
+        self._state = state
+        del buf[:pos]
+
+    def _finish(self) -> None:
+        self._state = _COMPLETE
+        self.complete = True
+        if self.error is None and not self.done_seen:
+            self.error = "no [DONE]"
+
+    def _fail(self, why: str) -> None:
+        if self.error is None or self.error.startswith("http"):
+            self.error = why
+        self.keep_alive = False
+        self._state = _COMPLETE
+        self.complete = True
+
+    # -- SSE ----------------------------------------------------------------------------------------
+
+    def _body(self, payload: bytes | bytearray, now: float) -> None:
+        if self.status != 200:
+            if len(self.error_body) < 400:
+                self.error_body += payload[: 400 - len(self.error_body)]
+            return
+        sse = self._sse
+        if not sse and not self._crlf and b"\r" in payload:
+            self._crlf = True
+        if self._crlf:
+            payload = bytes(payload).replace(b"\r\n", b"\n")
+        sse += payload
+        pos = 0
+        while True:
+            idx = sse.find(b"\n\n", pos)
+            if idx < 0:
+                break
+            self._event(bytes(sse[pos:idx]), now)
+            pos = idx + 2
+        if pos:
+            del sse[:pos]
+
+    def _event(self, ev: bytes, now: float) -> None:
+        if ev.startswith(b"data: ") and b"\n" not in ev:
+            payload = ev[6:]
+        else:
+            datas = [ln[5:] for ln in ev.split(b"\n") if ln.startswith(b"data:")]
+            if not datas:
+                return  # comment / keep-alive / event-name only
+            payload = b"\n".join(d[1:] if d.startswith(b" ") else d for d in datas)
+        if payload == b"[DONE]":
+            self.done_seen = True
+            return
+        counters = self.counters
+        counters.sse_events += 1
+        try:
+            chunk = _decode_chunk(payload)
+        except msgspec.DecodeError:
+            counters.bad_events += 1
+            return
+        if chunk.error is not None and self.error is None:
+            self.error = "stream error event"
+            if not self.error_body:
+                self.error_body += payload[:400]
+        n = 0
+        for choice in chunk.choices:
+            ids = choice.token_ids
+            if ids is not None:
+                n += len(ids)
+            elif choice.delta is not None and choice.delta.content:
+                n += 1
+                counters.no_token_ids += 1
+        if n:
+            counters.tokens += n
+            counters.token_events += 1
+            counters.hist[n if n < HIST_MAX else HIST_MAX] += 1
+            if not self.tokens:
+                self.first_token_at = now
+            self.last_token_at = now
+            self.tokens += n
+
+
+# ----------------------------------------------------------------------------------------- the load
+
+
+class RequestRecord(msgspec.Struct, array_like=True):
+    sent_at: float
+    ttft: float  # seconds; nan if no token arrived
+    ended_at: float
+    tokens: int
+    error: str | None
+
+
+class LoadResult(msgspec.Struct):
+    """What one load run measured. CPU figures are seconds of utime+stime inside the window."""
+
+    url: str
+    clients: int
+    output_len: int
+    window_s: float
+    window_started_after_s: float
+    tokens: int
+    token_events: int
+    sse_events: int
+    tokens_per_event_hist: dict[int, int]
+    no_token_ids_events: int
+    bad_events: int
+    requests_completed: int  # completed inside the window
+    ttft_samples: int  # requests sent inside the window that got a first token
+    ttft_missing: int  # ... that got none (failed, or still waiting after the grace period)
+    ttft_p50_ms: float
+    ttft_p90_ms: float
+    ttft_p99_ms: float
+    ttft_max_ms: float
+    tpot_mean_ms: float
+    wrong_length: int  # requests completed inside the window whose token count != output_len
+    failures_window: dict[str, int]
+    failures_total: dict[str, int]
+    error_samples: list[str]
+    inflight_min: int
+    inflight_mean: float
+    cpu_s: dict[str, float]  # watched processes (name -> seconds)
+    cpu_gone: list[str]  # watched processes that died before the window ended
+    client_cpu_s: float
+
+
+class LoadGen:
+    def __init__(
+        self,
+        *,
+        host: str,
+        port: int,
+        clients: int,
+        model: str,
+        output_len: int,
+        input_words: int,
+        seed: int = 0,
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.clients = clients
+        self.output_len = output_len
+        self.counters = Counters()
+        self.inflight = 0
+        self.inflight_target = math.ceil(0.95 * clients)
+        self.inflight_reached = trio.Event()
+        self.records: list[RequestRecord] = []
+        self.failures: dict[str, int] = {}
+        self.error_samples: list[str] = []
+        self.tpot_sum = 0.0
+        self.tpot_n = 0
+        # Per client: the request in flight and when it was sent (nan when none).
+        self.current: list[ResponseParser | None] = [None] * clients
+        self.current_sent_at: list[float] = [math.nan] * clients
+        rng = random.Random(seed)
+        letters = "abcdefghijklmnopqrstuvwxyz"
+        words = ["".join(rng.choice(letters) for _ in range(rng.randint(2, 9))) for _ in range(512)]
+        self.requests: list[bytes] = []
+        for i in range(clients):
+            prompt = f"client {i}: " + " ".join(rng.choice(words) for _ in range(input_words))
+            body = msgspec.json.encode(
+                {
+                    "model": model,
+                    "messages": [{"role": "user", "content": prompt}],
+                    "stream": True,
+                    "max_tokens": output_len,
+                    "ignore_eos": True,
+                    "return_token_ids": True,
+                }
+            )
+            head = (
+                f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+                f"Content-Type: application/json\r\nAccept: text/event-stream\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n"
+            ).encode()
+            self.requests.append(head + body)
+
+    def _fail(self, kind: str, detail: str = "") -> None:
+        self.failures[kind] = self.failures.get(kind, 0) + 1
+        if detail and len(self.error_samples) < 8:
+            self.error_samples.append(f"{kind}: {detail}"[:300])
+
+    async def _connect(self) -> socket.socket | None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            err = sock.connect_ex((self.host, self.port))
+            if err == errno.EINPROGRESS:
+                await trio.lowlevel.wait_writable(sock)
+                err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        except BaseException:
+            sock.close()
+            raise
+        if err:
+            sock.close()
+            self._fail("connect", os.strerror(err))
+            return None
+        return sock
+
+    @staticmethod
+    async def _send_all(sock: socket.socket, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            try:
+                n = sock.send(view)
+            except BlockingIOError:
+                await trio.lowlevel.wait_writable(sock)
+                continue
+            view = view[n:]
+
+    async def _request(self, idx: int, sock: socket.socket) -> bool:
+        """Run one request on ``sock``; returns whether the connection can be reused."""
+        parser = ResponseParser(self.counters)
+        sent_at = time.perf_counter()
+        self.current[idx] = parser
+        self.current_sent_at[idx] = sent_at
+        self.inflight += 1
+        if self.inflight >= self.inflight_target:
+            self.inflight_reached.set()
+        error: str | None = None
+        try:
+            await self._send_all(sock, self.requests[idx])
+            while not parser.complete:
+                await trio.lowlevel.wait_readable(sock)
+                try:
+                    data = sock.recv(65536)
+                except BlockingIOError:
+                    continue
+                now = time.perf_counter()
+                if data:
+                    parser.feed(data, now)
+                else:
+                    parser.eof(now)
+        except OSError as e:
+            error = "send/recv error"
+            self._fail(error, str(e))
+            return False
+        else:
+            error = parser.error
+            if error is not None:
+                detail = bytes(parser.error_body).decode(errors="replace")
+                kind = error if error.startswith("http") or "error" in error else "truncated"
+                self._fail(kind, f"{error} {detail}".strip())
+            elif parser.tokens == 0:
+                error = "no tokens"
+                self._fail(error)
+            return parser.keep_alive and error is None
+        finally:
+            self.inflight -= 1
+            self.current[idx] = None
+            self.current_sent_at[idx] = math.nan
+            if not parser.complete and error is None:
+                error = "cancelled"
+            ttft = parser.first_token_at - sent_at if parser.tokens else math.nan
+            self.records.append(RequestRecord(sent_at, ttft, time.perf_counter(), parser.tokens, error))
+            if parser.tokens > 1 and error is None:
+                self.tpot_sum += (parser.last_token_at - parser.first_token_at) / (parser.tokens - 1)
+                self.tpot_n += 1
+
+    async def client(self, idx: int, start_delay: float) -> None:
+        await trio.sleep(start_delay)
+        sock: socket.socket | None = None
+        try:
+            while True:
+                if sock is None:
+                    sock = await self._connect()
+                    if sock is None:
+                        await trio.sleep(0.05)
+                        continue
+                if not await self._request(idx, sock):
+                    sock.close()
+                    sock = None
+        finally:
+            if sock is not None:
+                sock.close()
+
+
+def _percentile(sorted_values: Sequence[float], q: float) -> float:
+    if not sorted_values:
+        return math.nan
+    k = min(len(sorted_values) - 1, max(0, math.ceil(q * len(sorted_values)) - 1))
+    return sorted_values[k]
+
+
+async def run_load(
+    gen: LoadGen,
+    *,
+    ramp_s: float,
+    warmup_s: float,
+    duration_s: float,
+    watch: dict[str, int],
+    grace_s: float = 10.0,
+    log: bool = True,
+) -> LoadResult:
+    """Start the clients staggered over ``ramp_s``; after ``warmup_s`` and once 95% of the clients have
+    a request in flight, measure a ``duration_s`` window; then stop every client."""
+
+    def say(msg: str) -> None:
+        if log:
+            print(f"[loadgen] {msg}", file=sys.stderr, flush=True)
+
+    def cpu_all() -> dict[str, float | None]:
+        return {name: proc_cpu_seconds(pid) for name, pid in watch.items()}
+
+    n = gen.clients
+    async with trio.open_nursery() as nursery:
+        t_start = time.perf_counter()
+        for i in range(n):
+            nursery.start_soon(gen.client, i, ramp_s * i / n)
+        await trio.sleep(warmup_s)
+        with trio.move_on_after(30.0):
+            await gen.inflight_reached.wait()
+        if gen.inflight < gen.inflight_target:
+            say(f"only {gen.inflight}/{n} requests in flight after warm-up; measuring anyway")
+
+        c0 = gen.counters.snapshot()
+        fails0 = dict(gen.failures)
+        rec0 = len(gen.records)
+        cpu0 = cpu_all()
+        self0 = time.process_time()
+        t0 = time.perf_counter()
+        say(f"window opens {t0 - t_start:.1f}s in, {gen.inflight} in flight; measuring {duration_s:g}s")
+        infl: list[int] = []
+        t_end = t0 + duration_s
+        while (now := time.perf_counter()) < t_end:
+            infl.append(gen.inflight)
+            await trio.sleep(min(0.1, t_end - now))
+        c1 = gen.counters.snapshot()
+        cpu1 = cpu_all()
+        self1 = time.process_time()
+        t1 = time.perf_counter()
+        fails1 = dict(gen.failures)
+        rec1 = len(gen.records)
+
+        # Requests sent inside the window and still in flight: wait (up to grace_s) for their first
+        # token so that a slow TTFT is measured rather than dropped.
+        def unfinished_in_window() -> list[tuple[float, ResponseParser]]:
+            out = []
+            for s, p in zip(gen.current_sent_at, gen.current, strict=True):
+                if p is not None and t0 <= s <= t1:
+                    out.append((s, p))
+            return out
+
+        for _ in range(math.ceil(grace_s / 0.05)):
+            if all(p.tokens for _, p in unfinished_in_window()):
+                break
+            await trio.sleep(0.05)
+        pending = unfinished_in_window()
+        nursery.cancel_scope.cancel()
+
+    ttfts: list[float] = []
+    missing = 0
+    for r in gen.records:
+        if t0 <= r.sent_at <= t1 and r.error != "cancelled":
+            if math.isnan(r.ttft):
+                missing += 1
+            else:
+                ttfts.append(r.ttft)
+    for s, p in pending:
+        if p.tokens:
+            ttfts.append(p.first_token_at - s)
+        else:
+            missing += 1
+    ttfts.sort()
+    completed = gen.records[rec0:rec1]
+    window = t1 - t0
+    hist = {k: c1.hist[k] - c0.hist[k] for k in range(HIST_MAX + 1) if c1.hist[k] != c0.hist[k]}
+    cpu: dict[str, float] = {}
+    gone: list[str] = []
+    for name in watch:
+        a, b = cpu0[name], cpu1[name]
+        if a is None or b is None:
+            gone.append(name)
+        else:
+            cpu[name] = b - a
+    return LoadResult(
+        url=f"http://{gen.host}:{gen.port}",
+        clients=n,
+        output_len=gen.output_len,
+        window_s=window,
+        window_started_after_s=t0 - t_start,
+        tokens=c1.tokens - c0.tokens,
+        token_events=c1.token_events - c0.token_events,
+        sse_events=c1.sse_events - c0.sse_events,
+        tokens_per_event_hist=hist,
+        no_token_ids_events=c1.no_token_ids - c0.no_token_ids,
+        bad_events=c1.bad_events - c0.bad_events,
+        requests_completed=sum(1 for r in completed if r.error is None),
+        ttft_samples=len(ttfts),
+        ttft_missing=missing,
+        ttft_p50_ms=_percentile(ttfts, 0.50) * 1e3,
+        ttft_p90_ms=_percentile(ttfts, 0.90) * 1e3,
+        ttft_p99_ms=_percentile(ttfts, 0.99) * 1e3,
+        ttft_max_ms=ttfts[-1] * 1e3 if ttfts else math.nan,
+        tpot_mean_ms=gen.tpot_sum / gen.tpot_n * 1e3 if gen.tpot_n else math.nan,
+        wrong_length=sum(1 for r in completed if r.error is None and r.tokens != gen.output_len),
+        failures_window={k: v - fails0.get(k, 0) for k, v in fails1.items() if v != fails0.get(k, 0)},
+        failures_total={k: v for k, v in gen.failures.items()},
+        error_samples=gen.error_samples,
+        inflight_min=min(infl) if infl else 0,
+        inflight_mean=sum(infl) / len(infl) if infl else 0.0,
+        cpu_s=cpu,
+        cpu_gone=gone,
+        client_cpu_s=self1 - self0,
+    )
+
+
+def raise_nofile_limit() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def _parse_watch(items: list[str]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for item in items:
+        name, _, pid = item.partition("=")
+        out[name] = int(pid)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--model", default="mock")
+    ap.add_argument("--clients", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--input-words", type=int, default=200)
+    ap.add_argument("--ramp", type=float, default=1.0, help="stagger connection starts over this many s")
+    ap.add_argument("--warmup", type=float, default=3.0, help="seconds before the window may open")
+    ap.add_argument("--duration", type=float, default=10.0, help="measurement window, seconds")
+    ap.add_argument("--grace", type=float, default=10.0, help="max wait for in-window TTFTs")
+    ap.add_argument("--watch", action="append", default=[], metavar="NAME=PID", help="measure CPU of PID")
+    ap.add_argument("--cpu", type=int, default=None, help="pin this process to one CPU core")
+    ap.add_argument("--result-file", default=None, help="write the JSON result here (default: stdout)")
+    args = ap.parse_args(argv)
+    if args.cpu is not None:
+        os.sched_setaffinity(0, {args.cpu})
+    raise_nofile_limit()
+    gen = LoadGen(
+        host=args.host,
+        port=args.port,
+        clients=args.clients,
+        model=args.model,
+        output_len=args.output_len,
+        input_words=args.input_words,
+    )
+    result = trio.run(
+        lambda: run_load(
+            gen,
+            ramp_s=args.ramp,
+            warmup_s=args.warmup,
+            duration_s=args.duration,
+            watch=_parse_watch(args.watch),
+            grace_s=args.grace,
+        )
+    )
+    data = msgspec.json.encode(result)
+    if args.result_file:
+        with open(args.result_file, "wb") as f:
+            f.write(data)
+    else:
+        sys.stdout.buffer.write(msgspec.json.format(data) + b"\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
