@@ -140,9 +140,7 @@ class Server:
         tick = 0
         while True:
             deadline += self.interval
-            now = trio.current_time()
-            if deadline < now:  # fell behind: delay, do not burst
-                deadline = now
+            deadline = max(deadline, trio.current_time())  # fell behind: delay, do not burst
             await trio.sleep_until(deadline)
             tick += 1
             token_ev = ev.token[tick & 15]

@@ -8,6 +8,7 @@ one owner task. Other tasks hand work to the sender through two queues; ``abort`
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import deque
 from collections.abc import Callable
@@ -89,12 +90,13 @@ class EngineClient:
             await self._handshake(router)
             task_status.started()
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._send_loop, router)
+                nursery.start_soon(self._send_loop, router, on_dead)
                 nursery.start_soon(self._recv_loop, pull, outputs, on_dead)
         finally:
             goodbye = self._in_codec.encode(ShutdownEngine("api server exit"))
             for index in self.engines:
-                router.try_send_multipart([engine_identity(index), goodbye])
+                with contextlib.suppress(zmq.ZMQError):  # the engine may be gone already
+                    router.try_send_multipart([engine_identity(index), goodbye])
             router.close()
             pull.close()
 
@@ -129,7 +131,7 @@ class EngineClient:
                 self.engines[ready.engine_index] = ready
                 log.info("engine %d ready (%s, pid %d)", ready.engine_index, ready.kind, ready.pid)
 
-    async def _send_loop(self, router: TrioZmqSocket) -> None:
+    async def _send_loop(self, router: TrioZmqSocket, on_dead: Callable[[str], None]) -> None:
         identity = engine_identity(0)  # one engine per API server until data parallelism lands
         while True:
             if self._aborts:
@@ -140,7 +142,10 @@ class EngineClient:
             else:
                 await self._wake.wait()
                 continue
-            await router.send_multipart([identity, frame])
+            try:
+                await router.send_multipart([identity, frame])
+            except zmq.ZMQError as exc:  # EHOSTUNREACH: the engine's socket is gone
+                on_dead(f"cannot reach engine 0: {exc}")
 
     async def _recv_loop(
         self,

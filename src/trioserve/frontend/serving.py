@@ -127,7 +127,7 @@ class Serving:
             stop = (
                 StopStringMatcher(options.stop, options.include_stop_str_in_output) if options.stop else None
             )
-            detok = self.tokenizer.detokenizer(options.skip_special_tokens)
+            detok = self.tokenizer.detokenizer(options.skip_special_tokens, prompt_ids=prompt_ids)
             self.handler.register(ChoiceState(request_id, i, response, detok, stop))
             # Parallel samples with a seed get distinct but reproducible seeds (as vLLM does).
             sp = (

