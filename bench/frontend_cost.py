@@ -253,8 +253,12 @@ def managed(procs: list[Proc]) -> Iterator[list[Proc]]:
                 print(f"[bench] stopping {p.name} (pid {p.pid}): {e}", file=sys.stderr)
 
 
+_run_ids = itertools.count(1)
+
+
 def run_point(args: argparse.Namespace, kind: str, clients: int, log_dir: Path) -> Row:
     port = free_port()
+    tag = f"{next(_run_ids):02d}-{kind}-{clients}"
     py = sys.executable
     label = "trivial baseline" if kind == "baseline" else "trioserve"
     with managed([]) as procs:
@@ -266,7 +270,7 @@ def run_point(args: argparse.Namespace, kind: str, clients: int, log_dir: Path) 
             argv = [py, "-m", "trioserve", "serve", "--engine", "mock"]
             argv += ["--step-interval-us", str(args.step_interval_us), "--host", "127.0.0.1"]
             argv += ["--port", str(port), "--max-num-seqs", str(args.max_num_seqs), *args.server_arg]
-        server = spawn(f"{kind}-server-{clients}", argv, args.server_cpu, log_dir, args.nice)
+        server = spawn(f"{tag}-server", argv, args.server_cpu, log_dir, args.nice)
         procs.append(server)
         print(f"[bench] {label}: pid {server.pid} on cpu {args.server_cpu}, port {port}", file=sys.stderr)
         wait_healthy(server, port, args.startup_timeout)
@@ -287,7 +291,7 @@ def run_point(args: argparse.Namespace, kind: str, clients: int, log_dir: Path) 
                 engine_cpus = tuple(sorted(os.sched_getaffinity(engine_pid)))
                 print(f"[bench] engine: pid {engine_pid} on cpus {list(engine_cpus)}", file=sys.stderr)
         model = args.model or served_model(port)
-        result_path = log_dir / f"{kind}-result-{clients}.json"
+        result_path = log_dir / f"{tag}-result.json"
         lg = [py, str(BENCH_DIR / "sse_loadgen.py"), "--port", str(port), "--model", model]
         lg += ["--clients", str(clients), "--output-len", str(args.output_len)]
         lg += ["--input-words", str(args.input_words), "--ramp", str(args.ramp)]
@@ -295,7 +299,7 @@ def run_point(args: argparse.Namespace, kind: str, clients: int, log_dir: Path) 
         lg += ["--result-file", str(result_path), "--io", args.client_io]
         for name, pid in watch.items():
             lg += ["--watch", f"{name}={pid}"]
-        loadgen = spawn(f"{kind}-loadgen-{clients}", lg, args.client_cpu, log_dir, args.nice)
+        loadgen = spawn(f"{tag}-loadgen", lg, args.client_cpu, log_dir, args.nice)
         procs.append(loadgen)
         limit = args.warmup + 30 + args.duration + 15 + 30
         assert loadgen.popen is not None

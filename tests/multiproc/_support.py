@@ -186,9 +186,7 @@ def post(path: str, obj: Any, **kw: Any) -> bytes:
     return http_request("POST", path, json.dumps(obj).encode(), **kw)
 
 
-async def request_json(
-    host: str, port: int, method: str, path: str, obj: Any = None
-) -> tuple[int, Any]:
+async def request_json(host: str, port: int, method: str, path: str, obj: Any = None) -> tuple[int, Any]:
     """One request on a fresh connection; returns (status, decoded JSON body or None)."""
     body = None if obj is None else json.dumps(obj).encode()
     async with await RawHttp.connect(host, port) as conn:

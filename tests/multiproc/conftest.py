@@ -32,7 +32,7 @@ STOP_TIMEOUT = 20.0
 # Fixture name -> extra ``serve`` flags. Only servers some collected test uses are started.
 SERVER_FLAGS: dict[str, list[str]] = {
     # The workhorse: steps as fast as it can, a small context window, two model names.
-    # A short drain on SIGTERM: a request the server leaked (see the xfails) would hold teardown up.
+    # A short drain on SIGTERM keeps teardown quick if a request were ever left in flight.
     "server": [
         "--step-interval-us", "0",
         "--shutdown-timeout", "1",

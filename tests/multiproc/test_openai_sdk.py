@@ -8,6 +8,8 @@ from typing import Any
 import openai
 import pytest
 
+import trio
+
 from ._support import CHAT_MESSAGES, request_json
 from .conftest import ALIAS, MAX_MODEL_LEN, MODEL, ServerProcess
 
@@ -140,6 +142,28 @@ async def test_model_alias_is_echoed(client: openai.AsyncOpenAI) -> None:
         model=ALIAS, messages=CHAT_MESSAGES, max_tokens=2, extra_body={"ignore_eos": True}
     )
     assert response.model == ALIAS
+
+
+def _sync_round_trip(base_url: str) -> tuple[str, int, list[str]]:
+    with openai.OpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=30.0) as sdk:
+        full = sdk.chat.completions.create(
+            model=MODEL, messages=CHAT_MESSAGES, max_tokens=4, seed=11, extra_body={"ignore_eos": True}
+        )
+        stream = sdk.chat.completions.create(
+            model=MODEL, messages=CHAT_MESSAGES, max_tokens=4, seed=11, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        deltas = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    assert full.usage is not None
+    return full.choices[0].message.content or "", full.usage.completion_tokens, deltas
+
+
+async def test_sync_client_in_a_thread(server: ServerProcess, client: openai.AsyncOpenAI) -> None:
+    text, completion_tokens, deltas = await trio.to_thread.run_sync(_sync_round_trip, f"{server.url}/v1")
+    assert completion_tokens == 4
+    assert "".join(deltas) == text
+    async_text, _ = await chat_text(client, seed=11, max_tokens=4)
+    assert async_text == text
 
 
 # ---- completions -----------------------------------------------------------------------------------

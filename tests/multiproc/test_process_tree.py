@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
+import tempfile
 
 import pytest
 
@@ -63,6 +65,8 @@ async def test_engine_exits_when_api_server_is_killed(sigkill_server: ServerProc
     server.signal(signal.SIGKILL)
     assert await wait_exit(server) == -signal.SIGKILL
     await wait_engine_gone(server)  # the engine notices it was orphaned and exits by itself
+    for name in ipc_dirs(server.pid):  # a killed server cannot remove its IPC folder; we do
+        shutil.rmtree(os.path.join(tempfile.gettempdir(), name), ignore_errors=True)
 
 
 @pytest.mark.parametrize(

@@ -292,12 +292,6 @@ async def test_duplicate_id_while_running_is_refused(slow_server: ServerProcess)
     assert token_count(s.seen["dup"]) == 30
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="server bug: the duplicate-id check in _serve_websocket runs before the first request is "
-    "registered (registration waits for rendering), so two requests with one id sent back to back "
-    "both run: interleaved chunks with two response ids and two 'done' messages, no error",
-)
 async def test_duplicate_id_back_to_back_is_refused(slow_server: ServerProcess) -> None:
     with trio.fail_after(TIMEOUT):
         async with ws_session(slow_server, strict=False) as s:
@@ -310,12 +304,6 @@ async def test_duplicate_id_back_to_back_is_refused(slow_server: ServerProcess) 
     assert len(summarize(s.seen["dup"].chunks).ids) == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="server bug: a body whose integer field does not fit in 64 bits (stop_token_ids [1e20]) "
-    "raises OverflowError outside ApiError handling in the WebSocket start task; it tears down the "
-    "whole socket (closed with code 1000) instead of answering one error message",
-)
 async def test_unencodable_request_gets_error_and_socket_survives(server: ServerProcess) -> None:
     with trio.fail_after(TIMEOUT):
         async with ws_session(server) as s:
@@ -340,12 +328,6 @@ async def test_client_closing_mid_stream_does_not_hurt_server(slow_server: Serve
     assert token_count(s.seen["c"]) == 3
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="server bug: a cancel that arrives after a request's final message was queued but before "
-    "the WebSocket write loop has sent it (the writer is blocked on a slow reader) still finds the id in "
-    "`running` and calls sink.end(): the client gets 'response' (or 'done') and then a second 'done'",
-)
 async def test_cancel_racing_completion_gets_one_final(slow_server: ServerProcess) -> None:
     server = slow_server
     steps = 60  # 0.6 s: r1 outlasts the handling of the big requests, so it ends behind their answers

@@ -7,6 +7,7 @@ from typing import Any
 
 import h11
 import msgspec
+
 import trio
 
 
@@ -43,7 +44,11 @@ class HttpClient:
 
     async def send_request(self, path: str, body: Any, method: str = "POST") -> None:
         payload = body if isinstance(body, bytes) else msgspec.json.encode(body)
-        headers = [("host", "test"), ("content-type", "application/json"), ("content-length", str(len(payload)))]
+        headers = [
+            ("host", "test"),
+            ("content-type", "application/json"),
+            ("content-length", str(len(payload))),
+        ]
         data = self.conn.send(h11.Request(method=method, target=path, headers=headers)) or b""
         data += (self.conn.send(h11.Data(data=payload)) or b"") + (self.conn.send(h11.EndOfMessage()) or b"")
         await self.sock.send(data)

@@ -5,10 +5,12 @@ Every test names ``autojump_clock``: pytest-trio takes the clock from the test's
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
-import trio
 from trio.testing import MockClock
 
+import trio
 from tests.trio.conftest import STEP_US, Stack
 from trioserve.mock.core import MockCore
 
@@ -27,7 +29,9 @@ def chat_body(max_tokens: int, **extra: object) -> dict[str, object]:
     }
 
 
-async def test_stream_one_token_per_event_per_step_and_exact_usage(stack: Stack, autojump_clock: MockClock) -> None:
+async def test_stream_one_token_per_event_per_step_and_exact_usage(
+    stack: Stack, autojump_clock: MockClock
+) -> None:
     client = await stack.client()
     body = chat_body(12, stream_options={"include_usage": True})
     reply = await client.request(CHAT, body)
@@ -38,12 +42,16 @@ async def test_stream_one_token_per_event_per_step_and_exact_usage(stack: Stack,
     assert role.data["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert [len(e.data["choices"][0]["token_ids"]) for e in tokens] == [1] * 12
     # One engine step per token on the step clock: events are exactly one step apart.
-    gaps = [b.time - a.time for a, b in zip(tokens, tokens[1:], strict=False)]
+    gaps = [b.time - a.time for a, b in itertools.pairwise(tokens)]
     assert gaps == pytest.approx([STEP] * 11)
     assert tokens[-1].data["choices"][0]["finish_reason"] == "length"
     prompt_ids = stack.api.serving.tokenizer.apply_chat_template(body["messages"], True, None)  # type: ignore[arg-type]
     usage = reply.events[-2].data["usage"]
-    assert usage == {"prompt_tokens": len(prompt_ids), "completion_tokens": 12, "total_tokens": len(prompt_ids) + 12}
+    assert usage == {
+        "prompt_tokens": len(prompt_ids),
+        "completion_tokens": 12,
+        "total_tokens": len(prompt_ids) + 12,
+    }
     # Nothing is left behind on either side.
     assert not stack.api.serving.active and not stack.api.handler.choices
     assert not stack.engine.core.running
@@ -117,7 +125,9 @@ async def test_parallel_choices_usage_is_exact(stack: Stack, autojump_clock: Moc
     assert data["usage"]["prompt_tokens"] == len(data["prompt_token_ids"])
 
 
-async def test_slow_reader_gets_merged_events_and_every_token(stack: Stack, autojump_clock: MockClock) -> None:
+async def test_slow_reader_gets_merged_events_and_every_token(
+    stack: Stack, autojump_clock: MockClock
+) -> None:
     # Tiny socket buffers: a client that stops reading backs the sink up within a few events.
     client = await stack.client(rcvbuf=4096)
     await client.send_request(CHAT, chat_body(200))
@@ -133,8 +143,10 @@ async def test_slow_reader_gets_merged_events_and_every_token(stack: Stack, auto
 
 async def test_engine_death_ends_streams_with_an_error_event(stack: Stack, autojump_clock: MockClock) -> None:
     client = await stack.client()
-    await client.send_request(CHAT, chat_body(1000))
-    reply = await client.read_body(await client.read_head(), max_events=3)
+    await client.send_request(CHAT, chat_body(400))
+    head = await client.read_head()
+    assert head.status == 200
+    reply = await client.read_body(head, max_events=3)
     stack.api.serving.on_engine_dead("test: engine gone")
     await client.read_body(reply)
     assert reply.events[-1].data == "[DONE]"

@@ -188,19 +188,23 @@ async def _serve_websocket(serving: Serving) -> None:
                 if sink.finished:
                     del running[rid]
 
-    async def start(msg: WsRequest) -> None:
-        sink = WsSink(outbox, writer, msg.id)
+    starting: dict[str, bool] = {}  # ids being rendered -> cancelled meanwhile
+
+    async def start(msg: WsRequest, sink: WsSink) -> None:
         kind = _WS_ENDPOINTS.get(msg.endpoint)
         try:
             if kind is None:
                 raise ApiError(400, f"unknown endpoint {msg.endpoint!r}; use one of {sorted(_WS_ENDPOINTS)}")
-            if msg.id in running:
-                raise ApiError(400, f"request id {msg.id!r} is already running on this socket")
             response = await serving.start(kind, msgspec.json.encode(msg.body), sink)
         except ApiError as exc:
             sink.full(exc.status, exc.body())
             return
-        if not response.done:
+        finally:
+            cancelled = starting.pop(msg.id)
+        if cancelled:
+            serving.cancel(response)
+            sink.end()
+        elif not response.done:
             running[msg.id] = (response, sink)
 
     try:
@@ -218,12 +222,20 @@ async def _serve_websocket(serving: Serving) -> None:
                     writer.set()
                     continue
                 if isinstance(msg, WsCancel):
+                    if msg.id in starting:
+                        starting[msg.id] = True  # ``start`` ends it once rendering returns
                     entry = running.pop(msg.id, None)
-                    if entry is not None:
+                    if entry is not None and not entry[1].finished:
                         serving.cancel(entry[0])
                         entry[1].end()
                     continue
-                nursery.start_soon(start, msg)
+                sink = WsSink(outbox, writer, msg.id)
+                if msg.id in running or msg.id in starting:
+                    error = ApiError(400, f"request id {msg.id!r} is already running on this socket")
+                    sink.full(error.status, error.body())
+                    continue
+                starting[msg.id] = False
+                nursery.start_soon(start, msg, sink)
     finally:
         for response, _ in running.values():
             serving.cancel(response)

@@ -6,9 +6,15 @@ message, which names the offending path (``$.messages[0].role``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
+
+# Integer fields are bounded at decode time: an out-of-range value is a 400 naming the field, never an
+# overflow deeper in (msgpack carries at most 64-bit integers to the engine).
+Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+Count = Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)]
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
 
 
 class StreamOptions(msgspec.Struct):
@@ -27,27 +33,27 @@ class _Sampling(msgspec.Struct, kw_only=True):
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = None
+    max_tokens: Count | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
+    top_k: Count | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
-    n: int = 1
-    logprobs: bool | int | None = None
+    n: Count = 1
+    logprobs: bool | Count | None = None
     # vLLM extensions
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Count = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     return_token_ids: bool = False
-    priority: int = 0
+    priority: Count = 0
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Count | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
@@ -56,7 +62,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
 class CompletionRequest(_Sampling, kw_only=True):
     # str, list[str], list[int] or list[list[int]]; msgspec unions allow one array type, so the
     # list's shape is checked when the prompt is rendered.
-    prompt: str | list[str | int | list[int]]
+    prompt: str | list[str | TokenId | list[TokenId]]
     echo: bool = False
 
 
@@ -69,5 +75,5 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
-    tokens: list[int]
+    tokens: list[TokenId]
     model: str | None = None

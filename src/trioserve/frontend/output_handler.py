@@ -31,6 +31,7 @@ class ChoiceState:
     response: Response
     detokenizer: IncrementalDetokenizer
     stop: StopStringMatcher | None
+    include_stop: bool = False  # keep the text of a stop token / stop string (vLLM's flag)
 
 
 class OutputHandler:
@@ -70,8 +71,12 @@ class OutputHandler:
                 choice.response.fail(400, out.error or "the engine failed this request")
                 continue
             detok = choice.detokenizer
-            text = detok.step(ids[0]) if len(ids) == 1 else detok.step_many(ids)
             stop_reason: int | str | None = out.stop_token_id
+            if stop_reason is not None and not choice.include_stop:
+                # The stop token ends the text; like vLLM, its own text is not shown.
+                text = detok.step_many(ids[:-1])
+            else:
+                text = detok.step(ids[0]) if len(ids) == 1 else detok.step_many(ids)
             if choice.stop is not None:
                 result = choice.stop.feed(text)
                 text = result.text

@@ -27,7 +27,7 @@ from trioserve.frontend.sinks import Sink, Waker
 from trioserve.frontend.stop_strings import StopStringMatcher
 from trioserve.frontend.tokenizer import Tokenizer
 from trioserve.frontend.validate import decode_body, output_options, sampling_params
-from trioserve.protocol.messages import AddRequest
+from trioserve.protocol.messages import AddRequest, SamplingParams
 
 log = logging.getLogger("trioserve.frontend")
 
@@ -122,13 +122,25 @@ class Serving:
         response = cls(sink, encoder, options, prompt_ids, self._on_done)
         response.request_ids = [f"{response_id}-{i}" for i in range(options.n)]
         self.active.add(response)
+        try:
+            self._submit(response, req.priority, prompt_ids, params, arrival)
+        except BaseException:
+            self.cancel(response)
+            raise
+        return response
+
+    def _submit(
+        self, response: Response, priority: int, prompt_ids: list[int], params: SamplingParams, arrival: float
+    ) -> None:
+        options = response.options
         eos = self.tokenizer.eos_token_id
         for i, request_id in enumerate(response.request_ids):
             stop = (
                 StopStringMatcher(options.stop, options.include_stop_str_in_output) if options.stop else None
             )
             detok = self.tokenizer.detokenizer(options.skip_special_tokens, prompt_ids=prompt_ids)
-            self.handler.register(ChoiceState(request_id, i, response, detok, stop))
+            include = options.include_stop_str_in_output
+            self.handler.register(ChoiceState(request_id, i, response, detok, stop, include))
             # Parallel samples with a seed get distinct but reproducible seeds (as vLLM does).
             sp = (
                 params
@@ -142,11 +154,10 @@ class Serving:
                     sp,
                     arrival,
                     client_index=self.engine.client_index,
-                    priority=req.priority,
+                    priority=priority,
                     eos_token_id=eos,
                 )
             )
-        return response
 
     def cancel(self, response: Response) -> None:
         """The client went away (or the server is stopping): stop its engine requests now."""

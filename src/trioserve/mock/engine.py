@@ -100,8 +100,12 @@ class MockEngine:
             if not self.core.has_work and not self._rejected:
                 self._work = trio.Event()
                 await self._work.wait()
+                next_start = trio.current_time()  # a step starts as soon as work arrives
                 continue
-            start = max(next_start, trio.current_time())
+            now = trio.current_time()
+            # Keep the schedule (no drift from our own work); restart it only after idling or when a
+            # whole step late (tokio's MissedTickBehavior::Delay).
+            start = next_start if now - next_start < interval else now
             if interval > 0:
                 next_start = start + interval
                 await trio.sleep_until(next_start)
