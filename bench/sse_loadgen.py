@@ -32,7 +32,6 @@ import time
 from collections.abc import Sequence
 
 import msgspec
-
 import trio
 
 # ---------------------------------------------------------------------------------------------- /proc

@@ -20,7 +20,6 @@ import sys
 import time
 
 import msgspec
-
 import trio
 
 _MODEL = "mock"

@@ -7,7 +7,6 @@ from typing import Any
 
 import openai
 import pytest
-
 import trio
 
 from ._support import CHAT_MESSAGES, request_json

@@ -9,7 +9,6 @@ import sys
 import tempfile
 
 import pytest
-
 import trio
 
 from ._support import RawHttp, chat_body, ipc_dirs, post, proc_children, proc_title, sse_chunks, summarize

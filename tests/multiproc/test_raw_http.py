@@ -12,7 +12,6 @@ import shutil
 from typing import Any
 
 import pytest
-
 import trio
 
 from ._support import (

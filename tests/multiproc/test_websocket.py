@@ -16,9 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from trio_websocket import WebSocketConnection, open_websocket_url, wrap_client_stream
-
 import trio
+from trio_websocket import WebSocketConnection, open_websocket_url, wrap_client_stream
 
 from ._support import (
     CHAT_MESSAGES,

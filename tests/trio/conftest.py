@@ -12,10 +12,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
 import pytest
+import trio
 import trio.testing
 import zmq
 
-import trio
 from tests.trio.http_client import HttpClient
 from trioserve.config import MockEngineConfig, ServeConfig
 from trioserve.frontend.api_server import ApiServer, EngineAddresses

@@ -7,7 +7,6 @@ from typing import Any
 
 import h11
 import msgspec
-
 import trio
 
 

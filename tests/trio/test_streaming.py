@@ -8,9 +8,9 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import trio
 from trio.testing import MockClock
 
-import trio
 from tests.trio.conftest import STEP_US, Stack
 from trioserve.mock.core import MockCore
 

@@ -131,7 +131,7 @@ class _FailingStream:
 
 
 def test_recovers_from_invalid_prefix(qwen3_tokenizer: Tokenizer) -> None:
-    detok = qwen3_tokenizer.detokenizer()
+    detok = IncrementalDetokenizer(qwen3_tokenizer.hf_tokenizer.backend_tokenizer)
     assert detok.step(9707) == "Hello"
     detok._stream = _FailingStream()  # type: ignore[assignment]
     assert detok.step(1879) == " world"  # restarted on a fresh stream

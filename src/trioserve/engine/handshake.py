@@ -11,9 +11,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import trio
 import zmq
 
-import trio
 from trioserve.protocol.codec import ProtocolError, handshake_codec
 from trioserve.protocol.messages import PROTOCOL_VERSION, EngineHello, EngineReady, Welcome
 from trioserve.transport.zmq_socket import TrioZmqSocket

@@ -11,9 +11,9 @@ import logging
 import socket
 from dataclasses import dataclass
 
+import trio
 import zmq
 
-import trio
 from trioserve.config import ServeConfig
 from trioserve.frontend.app import create_app
 from trioserve.frontend.asgi_host import AsgiHost

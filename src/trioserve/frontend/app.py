@@ -13,12 +13,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
+import trio
 from quart import Response as QuartResponse
 from quart import request, websocket
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-import trio
 from trioserve.frontend.chunks import Kind
 from trioserve.frontend.errors import ApiError, error_body
 from trioserve.frontend.openai_schema import DetokenizeRequest, TokenizeRequest

@@ -10,14 +10,13 @@ from __future__ import annotations
 import socket
 from typing import Any
 
+import trio
 from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.config import Config
 from hypercorn.trio.lifespan import Lifespan
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState
-
-import trio
 
 
 class PrefixedStream(trio.abc.HalfCloseableStream):

@@ -11,11 +11,21 @@ Invariant (tested): for any ids whose full decode does not end in an incomplete 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.decoders import DecodeStream
 
-__all__ = ["PROMPT_CONTEXT_TOKENS", "IncrementalDetokenizer"]
+__all__ = ["PROMPT_CONTEXT_TOKENS", "Detokenizer", "IncrementalDetokenizer"]
+
+
+class Detokenizer(Protocol):
+    """What the output handler needs: new text per token id ("" while a character is split)."""
+
+    def step(self, token_id: int) -> str: ...
+
+    def step_many(self, ids: Sequence[int]) -> str: ...
+
 
 # How many trailing prompt ids seed the stream. A few are enough for decoders whose output for a
 # token depends on what precedes it (SentencePiece's leading "▁" is dropped at the start of a

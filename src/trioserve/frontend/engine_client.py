@@ -13,9 +13,9 @@ import logging
 from collections import deque
 from collections.abc import Callable
 
+import trio
 import zmq
 
-import trio
 from trioserve.engine.handshake import engine_identity
 from trioserve.frontend.sinks import Waker
 from trioserve.protocol.codec import ProtocolError, engine_input_codec, engine_output_codec, handshake_codec

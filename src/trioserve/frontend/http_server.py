@@ -13,8 +13,8 @@ import socket
 from collections.abc import Awaitable, Callable
 
 import h11
-
 import trio
+
 from trioserve.frontend.chunks import Kind
 from trioserve.frontend.errors import ApiError
 from trioserve.frontend.http_sink import HttpSink

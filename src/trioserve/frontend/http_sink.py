@@ -14,8 +14,8 @@ from __future__ import annotations
 import socket
 
 import h11
-
 import trio
+
 from trioserve.frontend.sinks import Sink
 
 _SSE_HEADERS = [
@@ -55,6 +55,13 @@ class HttpSink(Sink):
         else:
             data = b"".join([b"data: %b\n\n" % p for p in payloads])
         self._write(data if self._head_sent else self._head() + data)
+
+    def event(self, payload: bytes) -> None:
+        if self._chunked and self._head_sent:
+            self.events_sent += 1
+            self._write(b"%x\r\ndata: %b\n\n\r\n" % (len(payload) + 8, payload))
+        else:
+            self.events([payload])
 
     def end(self) -> None:
         done = b"%x\r\n%b\r\n" % (len(_DONE), _DONE) if self._chunked else _DONE

@@ -14,7 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import trio
-from trioserve.frontend.detokenizer import IncrementalDetokenizer
+
+from trioserve.frontend.detokenizer import Detokenizer
 from trioserve.frontend.responses import Response
 from trioserve.frontend.stop_strings import StopStringMatcher
 from trioserve.protocol.messages import EngineOutputs, EngineStats
@@ -29,7 +30,7 @@ class ChoiceState:
     request_id: str
     index: int
     response: Response
-    detokenizer: IncrementalDetokenizer
+    detokenizer: Detokenizer
     stop: StopStringMatcher | None
     include_stop: bool = False  # keep the text of a stop token / stop string (vLLM's flag)
 

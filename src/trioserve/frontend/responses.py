@@ -89,6 +89,10 @@ class StreamingResponse(Response):
         if finish is not None:
             self.remaining -= 1
         sink = self.sink
+        if not (self._pending or sink.backlogged or self.remaining == 0 or self._role_pending[index]):
+            # The common case, once per token: one chunk, written at once.
+            sink.event(self.encoder.delta(index, text, token_ids, finish, stop_reason))
+            return
         if sink.backlogged or self._pending:
             merged = self._pending.get(index)
             if merged is None:

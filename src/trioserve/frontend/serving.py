@@ -8,14 +8,15 @@ can be refused is refused before a byte is written, as an ``ApiError``.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import secrets
 import time
-import uuid
 from typing import Any, Literal
 
 import msgspec
-
 import trio
+
 from trioserve.config import ServeConfig
 from trioserve.frontend.chunks import ChunkEncoder, Kind
 from trioserve.frontend.engine_client import EngineClient
@@ -60,6 +61,9 @@ class Serving:
         self.dead_reason: str | None = None
         self._limiter = trio.CapacityLimiter(config.renderer_num_workers)
         self.active: set[Response] = set()
+        # Response ids: a random per-process part and a counter (unique without a uuid4 per request).
+        self._id_base = secrets.token_hex(8)
+        self._id_counter = itertools.count()
         self._finished = Waker()  # set whenever a response leaves ``active``
 
     # ---- rendering (on the renderer pool) -------------------------------------------------------------
@@ -116,7 +120,7 @@ class Serving:
             raise ApiError(503, f"the engine is unavailable: {self.dead_reason}")
 
         prefix: Literal["chatcmpl-", "cmpl-"] = "chatcmpl-" if kind == "chat" else "cmpl-"
-        response_id = prefix + uuid.uuid4().hex
+        response_id = f"{prefix}{self._id_base}{next(self._id_counter):08x}"
         encoder = ChunkEncoder(kind, response_id, int(arrival), options.model, options.return_token_ids)
         cls = StreamingResponse if options.stream else CollectingResponse
         response = cls(sink, encoder, options, prompt_ids, self._on_done)

@@ -48,6 +48,10 @@ class Sink(ABC):
     def events(self, payloads: list[bytes]) -> None:
         """Frame and write streamed chunks, in order, in as few writes as possible."""
 
+    def event(self, payload: bytes) -> None:
+        """One streamed chunk (the per-token common case; sinks may make it cheaper)."""
+        self.events([payload])
+
     @abstractmethod
     def end(self) -> None:
         """Write the end of the stream (``data: [DONE]`` for SSE) and wake the owner."""

@@ -7,7 +7,6 @@ import os
 import signal
 
 import setproctitle
-
 import trio
 
 

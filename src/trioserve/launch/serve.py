@@ -16,9 +16,9 @@ import sys
 import tempfile
 from collections.abc import Callable
 
+import trio
 import zmq
 
-import trio
 from trioserve.config import ServeConfig
 from trioserve.frontend.api_server import ApiServer, EngineAddresses
 from trioserve.frontend.tokenizer import load_tokenizer

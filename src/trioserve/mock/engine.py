@@ -13,10 +13,10 @@ import logging
 import os
 import time
 
+import trio
 import trio.lowlevel
 import zmq
 
-import trio
 from trioserve.config import MockEngineConfig
 from trioserve.engine.handshake import EngineSockets, join_frontends
 from trioserve.mock.core import MockCore

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
+import trio
 import zmq
 
-import trio
 from trioserve.config import MockEngineConfig
 from trioserve.launch.process import exit_on_signals, exit_when_parent_dies, set_title, setup_logging
 from trioserve.mock.engine import MockEngine

@@ -13,9 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import zmq
-
 import trio
+import zmq
 
 
 class TrioZmqSocket:
