@@ -8,6 +8,7 @@ itself if this process disappears.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import socket
@@ -99,6 +100,10 @@ async def serve(config: ServeConfig, listener: socket.socket, ipc_dir: str) -> N
         output=f"ipc://{ipc_dir}/output",
     )
     api = ApiServer(config, tokenizer, ctx, addresses)
+    # Everything built so far (tokenizer tables, modules) lives for the whole process: move it out of
+    # the collector's generations so full collections stop re-walking it (vLLM does the same).
+    gc.collect()
+    gc.freeze()
     ready = False
     stopping = False
 
