@@ -467,7 +467,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--clients", default="256", help="concurrent closed-loop clients; a comma list sweeps")
     ap.add_argument("--output-len", type=int, default=256, help="max_tokens per request (ignore_eos)")
-    ap.add_argument("--input-words", type=int, default=200, help="words in each prompt")
+    ap.add_argument(
+        "--input-words", type=int, default=85, help="words per prompt (85 ≈ 256 Qwen3 tokens, seed 000)"
+    )
     ap.add_argument("--step-interval-us", type=int, default=10000, help="mock engine step clock")
     ap.add_argument("--duration", type=float, default=10.0, help="measurement window, seconds")
     ap.add_argument("--ramp", type=float, default=1.0, help="stagger connection starts over this many s")
