@@ -27,7 +27,7 @@ _DONE = b"data: [DONE]\n\n"
 
 
 class HttpSink(Sink):
-    __slots__ = ("_buf", "_chunked", "_conn", "_head_sent", "_sock", "bytes_sent", "events_sent")
+    __slots__ = ("_buf", "_chunked", "_conn", "_head_sent", "_sock")
 
     def __init__(self, sock: socket.socket, conn: h11.Connection) -> None:
         super().__init__()
@@ -36,8 +36,6 @@ class HttpSink(Sink):
         self._buf = bytearray()
         self._head_sent = False
         self._chunked = conn.their_http_version != b"1.0"
-        self.events_sent = 0
-        self.bytes_sent = 0
 
     @property
     def backlogged(self) -> bool:
@@ -48,7 +46,6 @@ class HttpSink(Sink):
         return self._conn.send(h11.Response(status_code=200, headers=_SSE_HEADERS)) or b""
 
     def events(self, payloads: list[bytes]) -> None:
-        self.events_sent += len(payloads)
         if self._chunked:
             # One chunk per event: "<hex len>\r\ndata: <json>\n\n\r\n"; 8 = len("data: ") + len("\n\n").
             data = b"".join([b"%x\r\ndata: %b\n\n\r\n" % (len(p) + 8, p) for p in payloads])
@@ -58,7 +55,6 @@ class HttpSink(Sink):
 
     def event(self, payload: bytes) -> None:
         if self._chunked and self._head_sent:
-            self.events_sent += 1
             self._write(b"%x\r\ndata: %b\n\n\r\n" % (len(payload) + 8, payload))
         else:
             self.events([payload])
@@ -94,7 +90,6 @@ class HttpSink(Sink):
             self.closed = True
             self.waker.set()
             return
-        self.bytes_sent += sent
         if sent < len(data):
             self._buf += memoryview(data)[sent:]
             self.waker.set()
@@ -110,5 +105,4 @@ class HttpSink(Sink):
             except OSError:
                 self.closed = True
                 return
-            self.bytes_sent += sent
-            del self._buf[:sent]
+                del self._buf[:sent]
