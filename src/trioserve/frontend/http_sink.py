@@ -105,4 +105,4 @@ class HttpSink(Sink):
             except OSError:
                 self.closed = True
                 return
-                del self._buf[:sent]
+            del self._buf[:sent]
