@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from dataclasses import fields
+from typing import Any, NoReturn, TypeVar
 
 from trioserve.config import MockEngineConfig, ServeConfig
+
+T = TypeVar("T")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -84,48 +87,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _from_namespace(cls: type[T], ns: argparse.Namespace, **overrides: Any) -> T:
+    """Each config field takes the flag of the same name (flags and fields are named alike)."""
+    values = {f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)}  # type: ignore[arg-type]
+    return cls(**{**values, **overrides})
+
+
 def serve_config(ns: argparse.Namespace) -> ServeConfig:
-    if ns.engine == "external" and not ns.handshake_address:
-        raise SystemExit("trioserve serve: error: --engine external needs --handshake-address")
-    return ServeConfig(
-        model=ns.model,
-        host=ns.host,
-        port=ns.port,
-        engine=ns.engine,
-        handshake_address=ns.handshake_address,
-        tokenizer=ns.tokenizer,
-        served_model_name=tuple(ns.served_model_name or ()),
-        max_model_len=ns.max_model_len,
-        max_num_seqs=ns.max_num_seqs,
-        renderer_num_workers=ns.renderer_num_workers,
-        max_request_body_bytes=ns.max_request_body_bytes,
-        max_n=ns.max_n,
-        output_queue_size=ns.output_queue_size,
-        shutdown_timeout=ns.shutdown_timeout,
-        engine_ready_timeout=ns.engine_ready_timeout,
-        log_level=ns.log_level,
-        vocab_size=ns.vocab_size,
-        step_interval_us=ns.step_interval_us,
-        mock_seed=ns.mock_seed,
-    )
+    return _from_namespace(ServeConfig, ns, served_model_name=tuple(ns.served_model_name or ()))
 
 
 def mock_engine_config(ns: argparse.Namespace) -> MockEngineConfig:
-    return MockEngineConfig(
-        handshake_address=ns.handshake_address,
-        engine_index=ns.engine_index,
-        vocab_size=ns.vocab_size,
-        step_interval_us=ns.step_interval_us,
-        max_num_seqs=ns.max_num_seqs,
-        max_model_len=ns.max_model_len,
-        seed=ns.seed,
-        log_level=ns.log_level,
-    )
+    return _from_namespace(MockEngineConfig, ns)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    ns = parser.parse_args(argv)
     if ns.command == "serve":
+        if ns.engine == "external" and not ns.handshake_address:
+            parser.error("--engine external needs --handshake-address")
         config = serve_config(ns)
         from trioserve.launch.serve import run_serve
 

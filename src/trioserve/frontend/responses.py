@@ -12,6 +12,7 @@ the response turns that into chunks on its sink. Invariants:
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -29,7 +30,7 @@ class _Pending:
     stop_reason: int | str | None = None
 
 
-class Response:
+class Response(ABC):
     """Common state: which choices are still running, token counts, completion."""
 
     def __init__(
@@ -48,19 +49,27 @@ class Response:
         self.remaining = options.n
         self.done = False
         self.error: str | None = None
-        self.request_ids: list[str] = []  # one engine request per choice
+        # One engine request per choice; the id is also the response's key in the output handler.
+        self.request_ids = [f"{encoder.id}-{i}" for i in range(options.n)]
         self._on_done = on_done
+        self._start(options.n)
 
+    @abstractmethod
+    def _start(self, n: int) -> None:
+        """Set up the per-choice state of a response with ``n`` choices."""
+
+    @abstractmethod
     def on_delta(
         self, index: int, text: str, token_ids: list[int], finish: str | None, stop_reason: int | str | None
     ) -> None:
-        raise NotImplementedError
+        """New text and token ids of one choice from one engine step; ``finish`` ends that choice."""
 
-    def on_drained(self) -> None:
+    def on_drained(self) -> None:  # noqa: B027  (deliberately a no-op: only streams merge)
         """The sink caught up: write what was merged while it was backlogged."""
 
+    @abstractmethod
     def fail(self, status: int, message: str) -> None:
-        raise NotImplementedError
+        """End the response with an error the client sees."""
 
     def _finish(self) -> None:
         if not self.done:
@@ -70,16 +79,8 @@ class Response:
 
 
 class StreamingResponse(Response):
-    def __init__(
-        self,
-        sink: Sink,
-        encoder: ChunkEncoder,
-        options: OutputOptions,
-        prompt_token_ids: list[int],
-        on_done: Callable[[Response], None],
-    ) -> None:
-        super().__init__(sink, encoder, options, prompt_token_ids, on_done)
-        self._role_pending = [encoder.kind == "chat"] * options.n  # chat choices open with a role chunk
+    def _start(self, n: int) -> None:
+        self._role_pending = [self.encoder.kind == "chat"] * n  # chat choices open with a role chunk
         self._pending: dict[int, _Pending] = {}
 
     def on_delta(
@@ -157,18 +158,10 @@ class StreamingResponse(Response):
 class CollectingResponse(Response):
     """A non-streamed response: collects every choice and writes one JSON body at the end."""
 
-    def __init__(
-        self,
-        sink: Sink,
-        encoder: ChunkEncoder,
-        options: OutputOptions,
-        prompt_token_ids: list[int],
-        on_done: Callable[[Response], None],
-    ) -> None:
-        super().__init__(sink, encoder, options, prompt_token_ids, on_done)
-        self._texts: list[list[str]] = [[] for _ in range(options.n)]
-        self._ids: list[list[int]] = [[] for _ in range(options.n)]
-        self._finish_reasons: list[tuple[str | None, int | str | None]] = [(None, None)] * options.n
+    def _start(self, n: int) -> None:
+        self._texts: list[list[str]] = [[] for _ in range(n)]
+        self._ids: list[list[int]] = [[] for _ in range(n)]
+        self._finish_reasons: list[tuple[str | None, int | str | None]] = [(None, None)] * n
 
     def on_delta(
         self, index: int, text: str, token_ids: list[int], finish: str | None, stop_reason: int | str | None

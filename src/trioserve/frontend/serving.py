@@ -124,7 +124,6 @@ class Serving:
         encoder = ChunkEncoder(kind, response_id, int(arrival), options.model, options.return_token_ids)
         cls = StreamingResponse if options.stream else CollectingResponse
         response = cls(sink, encoder, options, prompt_ids, self._on_done)
-        response.request_ids = [f"{response_id}-{i}" for i in range(options.n)]
         self.active.add(response)
         try:
             self._submit(response, req.priority, prompt_ids, params, arrival)
