@@ -154,3 +154,15 @@ async def test_engine_death_ends_streams_with_an_error_event(stack: Stack, autoj
     again = await (await stack.client()).request(CHAT, chat_body(5))
     assert again.status == 503
     assert again.json()["error"]["type"] == "ServiceUnavailableError"
+
+
+async def test_engine_refusal_before_the_first_token_is_an_http_error(
+    stack: Stack, autojump_clock: MockClock
+) -> None:
+    # The API server admits prompts up to its own max_model_len; an engine with a smaller window
+    # refuses them with an error output, which must become an HTTP 400, not a 200 stream.
+    stack.engine.core.max_model_len = 8
+    reply = await (await stack.client()).request(CHAT, chat_body(5))
+    assert reply.status == 400
+    assert "max_model_len" in reply.json()["error"]["message"]
+    assert not stack.api.serving.active and not stack.api.handler.choices

@@ -41,6 +41,10 @@ class HttpSink(Sink):
     def backlogged(self) -> bool:
         return bool(self._buf)
 
+    @property
+    def started(self) -> bool:
+        return self._head_sent
+
     def _head(self) -> bytes:
         self._head_sent = True
         return self._conn.send(h11.Response(status_code=200, headers=_SSE_HEADERS)) or b""

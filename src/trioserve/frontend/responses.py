@@ -146,10 +146,15 @@ class StreamingResponse(Response):
         self._finish()
 
     def fail(self, status: int, message: str) -> None:
-        """An error after the stream started: one error event, then the end of the stream."""
+        """One error event, then the end of the stream; or a plain error response if nothing was
+        written yet (an engine that refuses a request before its first token)."""
         if self.done:
             return
         self.error = message
+        if not self.sink.started:
+            self.sink.full(status, ApiError(status, message).body())
+            self._finish()
+            return
         self.on_drained()
         self.sink.events([ApiError(status, message).body()])
         self._end()

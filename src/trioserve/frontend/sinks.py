@@ -44,6 +44,12 @@ class Sink(ABC):
     def backlogged(self) -> bool:
         """True while earlier bytes are still waiting for the peer."""
 
+    @property
+    def started(self) -> bool:
+        """True once a status line has gone out; before that an error can still be a plain HTTP
+        error response instead of an event in a 200 stream."""
+        return True
+
     @abstractmethod
     def events(self, payloads: list[bytes]) -> None:
         """Frame and write streamed chunks, in order, in as few writes as possible."""
