@@ -167,14 +167,8 @@ class Server:
             while not conn.broken:
                 end = buf.find(b"\r\n\r\n")
                 if end < 0:
-                    await trio.lowlevel.wait_readable(sock)
-                    try:
-                        data = sock.recv(65536)
-                    except BlockingIOError:
-                        continue
-                    if not data:
+                    if not await _read_more(sock, buf):
                         return
-                    buf += data
                     continue
                 head = bytes(buf[:end]).split(b"\r\n")
                 method, path, _ = head[0].split(b" ", 2)
@@ -184,14 +178,8 @@ class Server:
                     if name.strip().lower() == b"content-length":
                         length = int(value)
                 while len(buf) < end + 4 + length:
-                    await trio.lowlevel.wait_readable(sock)
-                    try:
-                        data = sock.recv(65536)
-                    except BlockingIOError:
-                        continue
-                    if not data:
+                    if not await _read_more(sock, buf):
                         return
-                    buf += data
                 body = bytes(buf[end + 4 : end + 4 + length])
                 del buf[: end + 4 + length]
                 await self.route(conn, method, path, body)
@@ -246,6 +234,18 @@ async def serve(host: str, port: int, server: Server) -> None:
                 sock.setblocking(False)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 nursery.start_soon(server.handle, sock, nursery)
+
+
+async def _read_more(sock: socket.socket, buf: bytearray) -> bool:
+    """Append what the socket has to ``buf``; False at EOF."""
+    while True:
+        await trio.lowlevel.wait_readable(sock)
+        try:
+            data = sock.recv(65536)
+        except BlockingIOError:
+            continue
+        buf += data
+        return bool(data)
 
 
 def main(argv: list[str] | None = None) -> int:
