@@ -138,27 +138,19 @@ class HttpConnection:
             sink.full(exc.status, exc.body())
             await sink.flush()
             return
+        # One task per connection: it parks reading the socket (EOF means the client left; pipelined
+        # bytes wait for the next cycle) and the sink interrupts that when it needs the task: to
+        # drain a backlog, or because the response is complete.
         try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._watch_peer, sink)
-                while not (response.done and not sink.backlogged) and not sink.closed:
-                    await sink.waker.wait()
-                    if sink.backlogged:
-                        await sink.flush()
-                        response.on_drained()
-                nursery.cancel_scope.cancel()
+            while not (response.done and not sink.backlogged) and not sink.closed:
+                if sink.backlogged:
+                    await sink.flush()
+                    response.on_drained()
+                elif await sink.waker.run_until_set(self._recv) == b"":
+                    sink.closed = True
         finally:
             if not response.done:
                 self._serving.cancel(response)
-
-    async def _watch_peer(self, sink: HttpSink) -> None:
-        """While streaming: EOF from the client means it left; pipelined bytes wait for next cycle."""
-        while True:
-            data = await self._recv()
-            if not data:
-                sink.closed = True
-                sink.waker.set()
-                return
 
 
 class HttpServer:

@@ -16,7 +16,7 @@ import socket
 import h11
 import trio
 
-from trioserve.frontend.sinks import Sink
+from trioserve.frontend.sinks import InterruptWaker, Sink
 
 _SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -30,7 +30,8 @@ class HttpSink(Sink):
     __slots__ = ("_buf", "_chunked", "_conn", "_head_sent", "_sock")
 
     def __init__(self, sock: socket.socket, conn: h11.Connection) -> None:
-        super().__init__()
+        self.waker: InterruptWaker = InterruptWaker()
+        super().__init__(self.waker)
         self._sock = sock
         self._conn = conn
         self._buf = bytearray()

@@ -10,8 +10,12 @@ one-slot collector semantics: a slow client gets fewer, larger chunks, never a g
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import trio
+
+T = TypeVar("T")
 
 
 class Waker:
@@ -28,6 +32,36 @@ class Waker:
     async def wait(self) -> None:
         await self._event.wait()
         self._event = trio.Event()
+
+
+class InterruptWaker(Waker):
+    """A waker for a task that is busy waiting on something else (the HTTP connection task waits
+    for the peer's next bytes): ``set`` interrupts that wait, so one task serves both without a
+    helper task per request."""
+
+    __slots__ = ("_pending", "_scope")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._pending = False
+        self._scope: trio.CancelScope | None = None
+
+    def set(self) -> None:
+        self._pending = True
+        if self._scope is not None:
+            self._scope.cancel()
+
+    async def run_until_set(self, fn: Callable[[], Awaitable[T]]) -> T | None:
+        """``await fn()``, unless ``set`` was called before or during it (then None)."""
+        if not self._pending:
+            with trio.CancelScope() as scope:
+                self._scope = scope
+                try:
+                    return await fn()
+                finally:
+                    self._scope = None
+        self._pending = False
+        return None
 
 
 class Sink(ABC):
