@@ -68,6 +68,21 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-request-body-bytes", type=_positive, default=4 * 1024 * 1024)
     serve.add_argument("--max-n", type=_positive, default=16, help="largest accepted `n`")
     serve.add_argument("--output-queue-size", type=_positive, default=64)
+    serve.add_argument(
+        "--max-concurrent-requests",
+        type=_non_negative,
+        default=2048,
+        help="per API server; 0 = no limit (429)",
+    )
+    serve.add_argument(
+        "--max-pending-renders", type=_non_negative, default=256, help="requests queued to render (503)"
+    )
+    serve.add_argument(
+        "--max-num-seqs-waiting", type=_non_negative, default=1024, help="engine waiting-queue cap (503)"
+    )
+    serve.add_argument(
+        "--max-loop-lag-ms", type=float, default=500.0, help="shed new requests above this loop lag; 0 = off"
+    )
     serve.add_argument("--shutdown-timeout", type=float, default=5.0)
     serve.add_argument("--engine-ready-timeout", type=float, default=120.0)
     serve.add_argument("--vocab-size", type=_positive, default=32000, help="mock engine vocabulary")

@@ -41,6 +41,11 @@ class ServeConfig:
     max_request_body_bytes: int = 4 * 1024 * 1024
     max_n: int = 16
     output_queue_size: int = 64  # engine steps buffered between the output pump and output handler
+    # Admission control (frontend/admission.py says which status each refusal gets and why).
+    max_concurrent_requests: int = 2048
+    max_pending_renders: int = 256
+    max_num_seqs_waiting: int = 1024
+    max_loop_lag_ms: float = 500.0
     shutdown_timeout: float = 5.0
     engine_ready_timeout: float = 120.0
     log_level: str = "info"

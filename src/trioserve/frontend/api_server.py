@@ -34,6 +34,9 @@ class EngineAddresses:
     output: str
 
 
+LOOP_LAG_INTERVAL = 0.05  # seconds between loop-lag samples
+
+
 class ApiServer:
     def __init__(
         self,
@@ -66,7 +69,17 @@ class ApiServer:
             with trio.fail_after(self.config.engine_ready_timeout):
                 await nursery.start(self.engine.run, send, self.serving.on_engine_dead)
             nursery.start_soon(self.handler.run, receive)
+            nursery.start_soon(self._watch_loop_lag)
             await nursery.start(self.asgi.run)
             if listener is not None:
                 await nursery.start(self.http.serve, listener)
             task_status.started()
+
+    async def _watch_loop_lag(self) -> None:
+        """How late a short sleep wakes up is how far behind the event loop is: every task (and
+        every stream) on this loop waits that long. Admission sheds new requests above the limit."""
+        admission = self.serving.admission
+        while True:
+            due = trio.current_time() + LOOP_LAG_INTERVAL
+            await trio.sleep_until(due)
+            admission.loop_lag = max(0.0, trio.current_time() - due)

@@ -39,7 +39,10 @@ async def _body() -> bytes:
 
 
 def _error(exc: ApiError) -> QuartResponse:
-    return _json(exc.body(), exc.status)
+    response = _json(exc.body(), exc.status)
+    if exc.retry_after is not None:
+        response.headers["retry-after"] = str(exc.retry_after)
+    return response
 
 
 class WsRequest(msgspec.Struct, tag_field="type", tag="request"):

@@ -31,11 +31,14 @@ class _ErrorBody(msgspec.Struct):
 class ApiError(Exception):
     """A request the server refuses; ``status`` is the HTTP status to answer with."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, retry_after: int | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.retry_after = retry_after  # seconds, sent as a Retry-After header with 429/503
 
     def body(self) -> bytes:
         info = _ErrorInfo(self.message, _TYPES.get(self.status, "Error"), self.param, self.status)

@@ -135,7 +135,7 @@ class HttpConnection:
         try:
             response = await self._serving.start(kind, body, sink)
         except ApiError as exc:
-            sink.full(exc.status, exc.body())
+            sink.full(exc.status, exc.body(), retry_after=exc.retry_after)
             await sink.flush()
             return
         # One task per connection: it parks reading the socket (EOF means the client left; pipelined

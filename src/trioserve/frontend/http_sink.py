@@ -69,11 +69,13 @@ class HttpSink(Sink):
         head = b"" if self._head_sent else self._head()
         self._write(head + done + (self._conn.send(h11.EndOfMessage()) or b""))
 
-    def full(self, status: int, body: bytes, *, close: bool = False) -> None:
+    def full(self, status: int, body: bytes, *, close: bool = False, retry_after: int | None = None) -> None:
         conn = self._conn
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         if close:  # e.g. a 413 sent before the body was read: the connection cannot be reused
             headers.append((b"connection", b"close"))
+        if retry_after is not None:
+            headers.append((b"retry-after", str(retry_after).encode()))
         self._head_sent = True
         data = (conn.send(h11.Response(status_code=status, headers=headers)) or b"") + (
             conn.send(h11.Data(data=body)) or b""

@@ -16,10 +16,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from trioserve.frontend.admission import Ticket
 from trioserve.frontend.chunks import Choice, ChunkEncoder, full_body
 from trioserve.frontend.errors import ApiError
 from trioserve.frontend.sinks import Sink
 from trioserve.frontend.validate import OutputOptions
+from trioserve.protocol.messages import SamplingParams
 
 
 @dataclass(slots=True)
@@ -51,6 +53,9 @@ class Response(ABC):
         self.error: str | None = None
         # One engine request per choice; the id is also the response's key in the output handler.
         self.request_ids = [f"{encoder.id}-{i}" for i in range(options.n)]
+        self.params: SamplingParams | None = None  # what the engine is asked for (set by Serving)
+        self.priority = 0
+        self.ticket: Ticket | None = None  # the admission slot, released when the response retires
         self._on_done = on_done
         self._start(options.n)
 

@@ -18,6 +18,7 @@ import msgspec
 import trio
 
 from trioserve.config import ServeConfig
+from trioserve.frontend.admission import Admission, AdmissionLimits
 from trioserve.frontend.chunks import ChunkEncoder, Kind
 from trioserve.frontend.engine_client import EngineClient
 from trioserve.frontend.errors import ApiError
@@ -28,7 +29,7 @@ from trioserve.frontend.sinks import Sink, Waker
 from trioserve.frontend.stop_strings import StopStringMatcher
 from trioserve.frontend.tokenizer import Tokenizer
 from trioserve.frontend.validate import decode_body, output_options, sampling_params
-from trioserve.protocol.messages import AddRequest, SamplingParams
+from trioserve.protocol.messages import AddRequest
 
 log = logging.getLogger("trioserve.frontend")
 
@@ -60,6 +61,14 @@ class Serving:
         self.handler = handler
         self.dead_reason: str | None = None
         self._limiter = trio.CapacityLimiter(config.renderer_num_workers)
+        self.admission = Admission(
+            AdmissionLimits(
+                max_concurrent_requests=config.max_concurrent_requests,
+                max_pending_renders=config.max_pending_renders,
+                max_num_seqs_waiting=config.max_num_seqs_waiting,
+                max_loop_lag=config.max_loop_lag_ms / 1e3,
+            )
+        )
         self.active: set[Response] = set()
         # Response ids: a random per-process part and a counter (unique without a uuid4 per request).
         self._id_base = secrets.token_hex(8)
@@ -102,6 +111,26 @@ class Serving:
         arrival = time.time()
         if self.dead_reason is not None:
             raise ApiError(503, f"the engine is unavailable: {self.dead_reason}")
+        admission = self.admission
+        admission.engine_waiting = sum(s.num_waiting for s in self.handler.engine_stats.values())
+        ticket = admission.admit()  # reserved before rendering ...
+        try:
+            with admission.rendering_slot():
+                response = await self._prepare(kind, body, sink, arrival)
+        except BaseException:
+            ticket.release()  # ... and released on every path that does not produce a response
+            raise
+        response.ticket = ticket  # from here on, the response releases it when it leaves ``active``
+        self.active.add(response)
+        try:
+            self._submit(response, arrival)
+        except BaseException:
+            self.cancel(response)
+            raise
+        return response
+
+    async def _prepare(self, kind: Kind, body: bytes, sink: Sink, arrival: float) -> Response:
+        """Decode, validate and render; everything that can refuse the request happens here."""
         req: ChatCompletionRequest | CompletionRequest
         if kind == "chat":
             req = decode_body(body, ChatCompletionRequest)
@@ -124,18 +153,13 @@ class Serving:
         encoder = ChunkEncoder(kind, response_id, int(arrival), options.model, options.return_token_ids)
         cls = StreamingResponse if options.stream else CollectingResponse
         response = cls(sink, encoder, options, prompt_ids, self._on_done)
-        self.active.add(response)
-        try:
-            self._submit(response, req.priority, prompt_ids, params, arrival)
-        except BaseException:
-            self.cancel(response)
-            raise
+        response.params, response.priority = params, req.priority
         return response
 
-    def _submit(
-        self, response: Response, priority: int, prompt_ids: list[int], params: SamplingParams, arrival: float
-    ) -> None:
-        options = response.options
+    def _submit(self, response: Response, arrival: float) -> None:
+        """Register every choice with the output handler and queue it for the engine."""
+        options, params, prompt_ids = response.options, response.params, response.prompt_token_ids
+        assert params is not None
         eos = self.tokenizer.eos_token_id
         for i, request_id in enumerate(response.request_ids):
             stop = (
@@ -157,7 +181,7 @@ class Serving:
                     sp,
                     arrival,
                     client_index=self.engine.client_index,
-                    priority=priority,
+                    priority=response.priority,
                     eos_token_id=eos,
                 )
             )
@@ -174,6 +198,8 @@ class Serving:
         self._retire(response)
 
     def _retire(self, response: Response) -> None:
+        if response.ticket is not None:
+            response.ticket.release()
         self.active.discard(response)
         self._finished.set()
 
