@@ -67,7 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--renderer-num-workers", type=_positive, default=1)
     serve.add_argument("--max-request-body-bytes", type=_positive, default=4 * 1024 * 1024)
     serve.add_argument("--max-n", type=_positive, default=16, help="largest accepted `n`")
-    serve.add_argument("--output-queue-size", type=_positive, default=64)
+    serve.add_argument("--output-queue-size", type=_positive, default=64, help="engine steps")
+    serve.add_argument(
+        "--output-queue-policy", choices=["coalesce", "block", "unbounded"], default="coalesce"
+    )
+    serve.add_argument("--engine-output-hwm", type=_non_negative, default=64, help="steps; 0 = unbounded")
+    serve.add_argument("--engine-output-policy", choices=["fold", "block"], default="fold")
     serve.add_argument(
         "--max-concurrent-requests",
         type=_non_negative,
@@ -98,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     mock.add_argument("--max-num-seqs", type=_positive, default=1024)
     mock.add_argument("--max-model-len", type=_positive, default=8192)
     mock.add_argument("--seed", type=int, default=0)
+    mock.add_argument("--output-hwm", type=_non_negative, default=64, help="steps; 0 = unbounded")
+    mock.add_argument("--output-policy", choices=["fold", "block"], default="fold")
     _add_common(mock)
     return parser
 

@@ -24,6 +24,8 @@ class MockEngineConfig:
     max_model_len: int = 8192
     seed: int = 0
     log_level: str = "info"
+    output_hwm: int = 64  # ZMQ high-water mark of the output socket, in steps; 0 = unbounded (vLLM)
+    output_policy: Literal["fold", "block"] = "fold"  # when the HWM is reached: fold steps, or stall
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +43,9 @@ class ServeConfig:
     max_request_body_bytes: int = 4 * 1024 * 1024
     max_n: int = 16
     output_queue_size: int = 64  # engine steps buffered between the output pump and output handler
+    output_queue_policy: Literal["coalesce", "block", "unbounded"] = "coalesce"
+    engine_output_hwm: int = 64  # ZMQ high-water mark, engine -> API server, in steps; 0 = unbounded
+    engine_output_policy: Literal["fold", "block"] = "fold"  # what the engine does when it is reached
     # Admission control (frontend/admission.py says which status each refusal gets and why).
     max_concurrent_requests: int = 2048
     max_pending_renders: int = 256

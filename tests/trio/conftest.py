@@ -68,6 +68,8 @@ async def start_stack(
         max_model_len=config.max_model_len,
         max_num_seqs=config.max_num_seqs,
         vocab_size=config.vocab_size,
+        output_hwm=config.engine_output_hwm,
+        output_policy=config.engine_output_policy,
     )
     engine = MockEngine(replace(engine_config, **engine_overrides), ctx)
     api = ApiServer(config, tokenizer, ctx, addresses)

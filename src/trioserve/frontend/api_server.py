@@ -21,8 +21,8 @@ from trioserve.frontend.engine_client import EngineClient
 from trioserve.frontend.http_server import HttpServer
 from trioserve.frontend.output_handler import OutputHandler
 from trioserve.frontend.serving import Serving
+from trioserve.frontend.step_queue import StepQueue
 from trioserve.frontend.tokenizer import Tokenizer
-from trioserve.protocol.messages import EngineOutputs
 
 log = logging.getLogger("trioserve.frontend")
 
@@ -51,7 +51,9 @@ class ApiServer:
             handshake_address=addresses.handshake,
             input_address=addresses.input,
             output_address=addresses.output,
+            output_hwm=config.engine_output_hwm,
         )
+        self.steps = StepQueue(config.output_queue_size, config.output_queue_policy)
         self.handler = OutputHandler(self.engine.abort)
         self.serving = Serving(config, tokenizer, self.engine, self.handler)
         self.asgi = AsgiHost(create_app(self.serving), max_body=config.max_request_body_bytes)
@@ -64,11 +66,10 @@ class ApiServer:
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Start every task; ``started`` once engines are ready and the listener (if any) accepts."""
-        send, receive = trio.open_memory_channel[EngineOutputs](self.config.output_queue_size)
         async with trio.open_nursery() as nursery:
             with trio.fail_after(self.config.engine_ready_timeout):
-                await nursery.start(self.engine.run, send, self.serving.on_engine_dead)
-            nursery.start_soon(self.handler.run, receive)
+                await nursery.start(self.engine.run, self.steps, self.serving.on_engine_dead)
+            nursery.start_soon(self.handler.run, self.steps)
             nursery.start_soon(self._watch_loop_lag)
             await nursery.start(self.asgi.run)
             if listener is not None:

@@ -18,6 +18,7 @@ import zmq
 
 from trioserve.engine.handshake import engine_identity
 from trioserve.frontend.sinks import Waker
+from trioserve.frontend.step_queue import StepQueue
 from trioserve.protocol.codec import ProtocolError, engine_input_codec, engine_output_codec, handshake_codec
 from trioserve.protocol.messages import (
     PROTOCOL_VERSION,
@@ -46,7 +47,9 @@ class EngineClient:
         output_address: str,
         num_engines: int = 1,
         client_index: int = 0,
+        output_hwm: int = 64,
     ) -> None:
+        self.output_hwm = output_hwm
         self._ctx = ctx
         self.handshake_address = handshake_address
         self.input_address = input_address
@@ -76,7 +79,7 @@ class EngineClient:
 
     async def run(
         self,
-        outputs: trio.MemorySendChannel[EngineOutputs],
+        outputs: StepQueue,
         on_dead: Callable[[str], None],
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
@@ -85,7 +88,7 @@ class EngineClient:
         router = TrioZmqSocket.create(self._ctx, zmq.ROUTER, bind=self.input_address)
         # Unroutable or full: raise instead of silently dropping (ROUTER's default).
         router.raw.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        pull = TrioZmqSocket.create(self._ctx, zmq.PULL, bind=self.output_address)
+        pull = TrioZmqSocket.create(self._ctx, zmq.PULL, bind=self.output_address, rcvhwm=self.output_hwm)
         try:
             await self._handshake(router)
             task_status.started()
@@ -150,7 +153,7 @@ class EngineClient:
     async def _recv_loop(
         self,
         pull: TrioZmqSocket,
-        outputs: trio.MemorySendChannel[EngineOutputs],
+        outputs: StepQueue,
         on_dead: Callable[[str], None],
     ) -> None:
         while True:
@@ -163,6 +166,6 @@ class EngineClient:
                 continue
             match msg:
                 case EngineOutputs():
-                    await outputs.send(msg)
+                    await outputs.put(msg)
                 case EngineDead(engine_index=index, reason=reason):
                     on_dead(f"engine {index} failed: {reason}")

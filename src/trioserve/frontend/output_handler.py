@@ -13,10 +13,9 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import trio
-
 from trioserve.frontend.detokenizer import Detokenizer
 from trioserve.frontend.responses import Response
+from trioserve.frontend.step_queue import StepQueue
 from trioserve.frontend.stop_strings import StopStringMatcher
 from trioserve.protocol.messages import EngineOutputs, EngineStats
 
@@ -50,9 +49,9 @@ class OutputHandler:
         """Drop these requests; returns the ones that were still running (the caller aborts them)."""
         return [rid for rid in request_ids if self.choices.pop(rid, None) is not None]
 
-    async def run(self, steps: trio.MemoryReceiveChannel[EngineOutputs]) -> None:
-        async for step in steps:
-            self.process(step)
+    async def run(self, steps: StepQueue) -> None:
+        while True:
+            self.process(await steps.get())
 
     def process(self, step: EngineOutputs) -> None:
         self.steps_processed += 1

@@ -62,6 +62,10 @@ def mock_engine_command(config: ServeConfig, handshake: str) -> list[str]:
         str(config.mock_seed),
         "--log-level",
         config.log_level,
+        "--output-hwm",
+        str(config.engine_output_hwm),
+        "--output-policy",
+        config.engine_output_policy,
     ]
 
 

@@ -19,8 +19,10 @@ import zmq
 
 from trioserve.config import MockEngineConfig
 from trioserve.engine.handshake import EngineSockets, join_frontends
+from trioserve.frontend.sinks import Waker
 from trioserve.mock.core import MockCore
 from trioserve.protocol.codec import ProtocolError, engine_input_codec, engine_output_codec
+from trioserve.protocol.fold import fold_outputs
 from trioserve.protocol.messages import (
     AbortRequests,
     AddRequest,
@@ -46,6 +48,11 @@ class MockEngine:
         )
         self.step_count = 0
         self._rejected: dict[int, list[RequestOutput]] = {}  # client -> error outputs for next send
+        # Policy "fold": the step each client's socket has not taken yet, later steps folded in; the
+        # output pump sends it, in order, as soon as the socket takes it.
+        self._unsent: dict[int, EngineOutputs] = {}
+        self._flush_wake = Waker()
+        self.folded_steps = 0
         self._work = trio.Event()
         self._shutdown = trio.Event()
         self._in_codec = engine_input_codec()
@@ -61,11 +68,13 @@ class MockEngine:
             max_num_seqs=cfg.max_num_seqs,
             vocab_size=cfg.vocab_size,
         )
-        sockets = await join_frontends(self._ctx, cfg.handshake_address, ready)
+        sockets = await join_frontends(self._ctx, cfg.handshake_address, ready, output_hwm=cfg.output_hwm)
         try:
             async with trio.open_nursery() as nursery:
                 for sock in sockets.inputs:
                     nursery.start_soon(self._input_pump, sock)
+                if cfg.output_policy == "fold":
+                    nursery.start_soon(self._output_pump, sockets)
                 task_status.started()
                 log.info("mock engine %d ready (step %d us)", cfg.engine_index, cfg.step_interval_us)
                 await self._busy_loop(sockets)
@@ -119,7 +128,34 @@ class MockEngine:
             stats = self.core.stats()
             now = time.time()
             for client, outs in per_client.items():
-                frame = self._out_codec.encode(
-                    EngineOutputs(self.config.engine_index, self.step_count, now, outs, stats)
-                )
-                await sockets.outputs[client].send_multipart([frame])
+                out = EngineOutputs(self.config.engine_index, self.step_count, now, outs, stats)
+                await self._send(sockets.outputs[client], client, out)
+
+    async def _send(self, sock: TrioZmqSocket, client: int, out: EngineOutputs) -> None:
+        if self.config.output_policy == "block":
+            await sock.send_multipart([self._out_codec.encode(out)])  # a full socket stalls the engine
+            return
+        # The output pump owns the socket (one owner per ZMQ socket: its FD is edge-triggered); the
+        # busy loop only hands steps over, folding into one the socket has not taken yet.
+        held = self._unsent.get(client)
+        if held is not None:
+            fold_outputs(held, out)
+            self.folded_steps += 1
+        else:
+            self._unsent[client] = out
+            self._flush_wake.set()
+
+    async def _output_pump(self, sockets: EngineSockets) -> None:
+        """Sends each client's held step as soon as its socket takes it (policy "fold")."""
+        while True:
+            if not self._unsent:
+                await self._flush_wake.wait()
+                continue
+            for client in list(self._unsent):
+                sock = sockets.outputs[client]
+                # Take, encode and send with no await in between: the busy loop folds into the held
+                # step until this very moment, and nothing can overtake it.
+                held = self._unsent.pop(client)
+                if not sock.try_send_multipart([self._out_codec.encode(held)]):
+                    self._unsent[client] = held
+                    await sock.wait_writable()

@@ -77,6 +77,10 @@ class TrioZmqSocket:
                 return frames
             await self._wait(zmq.POLLIN)
 
+    async def wait_writable(self) -> None:
+        """Until a send would not hit the high-water mark."""
+        await self._wait(zmq.POLLOUT)
+
     def try_send_multipart(self, frames: Sequence[bytes | memoryview]) -> bool:
         """Queue one message if the high-water mark allows; False when the socket is full."""
         try:
