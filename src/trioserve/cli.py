@@ -9,6 +9,7 @@ from dataclasses import fields
 from typing import Any, NoReturn, TypeVar
 
 from trioserve.config import MockEngineConfig, ServeConfig
+from trioserve.frontend.stream_policy import StreamPolicy
 
 T = TypeVar("T")
 
@@ -32,6 +33,13 @@ def _non_negative(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
+
+
+def _stream_policy(text: str) -> StreamPolicy:
+    try:
+        return StreamPolicy.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _port(text: str) -> int:
@@ -71,6 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--output-queue-policy", choices=["coalesce", "block", "unbounded"], default="coalesce"
     )
+    serve.add_argument(
+        "--stream-policy",
+        type=_stream_policy,
+        default=StreamPolicy(),
+        metavar="{merge,queue:N,stall,abort-slow-client}",
+        help="what a response does when its client is slower than the engine (default merge)",
+    )
+    serve.add_argument("--slow-client-max-tokens", type=_positive, default=256)
     serve.add_argument("--engine-output-hwm", type=_non_negative, default=64, help="steps; 0 = unbounded")
     serve.add_argument("--engine-output-policy", choices=["fold", "block"], default="fold")
     serve.add_argument(

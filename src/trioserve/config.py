@@ -6,8 +6,10 @@ value it was given without re-validating it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
+
+from trioserve.frontend.stream_policy import StreamPolicy
 
 EngineKind = Literal["mock", "external"]
 
@@ -44,6 +46,8 @@ class ServeConfig:
     max_n: int = 16
     output_queue_size: int = 64  # engine steps buffered between the output pump and output handler
     output_queue_policy: Literal["coalesce", "block", "unbounded"] = "coalesce"
+    stream_policy: StreamPolicy = field(default_factory=StreamPolicy)  # output handler -> each request
+    slow_client_max_tokens: int = 256  # abort-slow-client: how far behind a client may fall
     engine_output_hwm: int = 64  # ZMQ high-water mark, engine -> API server, in steps; 0 = unbounded
     engine_output_policy: Literal["fold", "block"] = "fold"  # what the engine does when it is reached
     # Admission control (frontend/admission.py says which status each refusal gets and why).

@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 import trio
 import trio.lowlevel
+import trio.testing
 from trio.testing import MockClock
 
 from tests.trio.conftest import BASE_CONFIG, STEP_US, Stack, start_stack
@@ -83,7 +84,7 @@ async def test_loop_lag_sheds_new_requests_with_503(limited: Stack, autojump_clo
     client = await limited.client()
     assert (await client.request(CHAT, chat_body(2))).status == 200
     autojump_clock.jump(0.8)  # the loop "stalls": the lag monitor wakes 0.75 s late
-    await trio.lowlevel.checkpoint()
+    await trio.testing.wait_all_tasks_blocked()
     assert limited.api.serving.admission.loop_lag > 0.5
     shed = await client.request(CHAT, chat_body(2))
     assert shed.status == 503 and shed.headers[b"retry-after"] == b"1"

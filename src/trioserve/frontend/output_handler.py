@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from trioserve.frontend.detokenizer import Detokenizer
-from trioserve.frontend.responses import Response
+from trioserve.frontend.responses import Response, StreamingResponse
 from trioserve.frontend.step_queue import StepQueue
 from trioserve.frontend.stop_strings import StopStringMatcher
 from trioserve.protocol.messages import EngineOutputs, EngineStats
@@ -40,6 +40,9 @@ class OutputHandler:
         self.choices: dict[str, ChoiceState] = {}
         self.engine_stats: dict[int, EngineStats] = {}
         self.steps_processed = 0
+        # Under the "stall" stream policy: responses whose clients fell behind during the last step;
+        # the next step waits until they have caught up.
+        self.stalled: list[StreamingResponse] = []
         self.tokens_processed = 0
 
     def register(self, choice: ChoiceState) -> None:
@@ -52,6 +55,8 @@ class OutputHandler:
     async def run(self, steps: StepQueue) -> None:
         while True:
             self.process(await steps.get())
+            while self.stalled:
+                await self.stalled.pop().wait_drained()
 
     def process(self, step: EngineOutputs) -> None:
         self.steps_processed += 1

@@ -16,10 +16,13 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import trio
+
 from trioserve.frontend.admission import Ticket
 from trioserve.frontend.chunks import Choice, ChunkEncoder, full_body
 from trioserve.frontend.errors import ApiError
 from trioserve.frontend.sinks import Sink
+from trioserve.frontend.stream_policy import StreamPolicy
 from trioserve.frontend.validate import OutputOptions
 from trioserve.protocol.messages import SamplingParams
 
@@ -84,9 +87,25 @@ class Response(ABC):
 
 
 class StreamingResponse(Response):
+    policy = StreamPolicy()  # set per response by Serving
+    stalled: list[StreamingResponse] | None = None  # the output handler's list, under "stall"
+
     def _start(self, n: int) -> None:
         self._role_pending = [self.encoder.kind == "chat"] * n  # chat choices open with a role chunk
         self._pending: dict[int, _Pending] = {}
+        self._pending_tokens = 0  # tokens merged while the sink is backlogged
+        self._queued = 0  # chunks queued behind the socket since it last drained (queue:N)
+        self._stall_listed = False
+        self._drained: trio.Event | None = None
+        self.merged_deltas = 0
+
+    async def wait_drained(self) -> None:
+        """Until the client has taken what was waiting (or the response is over)."""
+        if self.done or not self.sink.backlogged:
+            return
+        if self._drained is None:
+            self._drained = trio.Event()
+        await self._drained.wait()
 
     def on_delta(
         self, index: int, text: str, token_ids: list[int], finish: str | None, stop_reason: int | str | None
@@ -99,16 +118,10 @@ class StreamingResponse(Response):
             # The common case, once per token: one chunk, written at once.
             sink.event(self.encoder.delta(index, text, token_ids, finish, stop_reason))
             return
-        if sink.backlogged or self._pending:
-            merged = self._pending.get(index)
-            if merged is None:
-                self._pending[index] = merged = _Pending()
-            merged.text += text
-            merged.token_ids += token_ids
-            if finish is not None:
-                merged.finish_reason, merged.stop_reason = finish, stop_reason
-            if not sink.backlogged:
-                self.on_drained()
+        if sink.backlogged and not self._pending and self._queued < self.policy.queue_events:
+            self._queued += 1  # queue:N: this chunk queues behind the socket as it is
+        elif sink.backlogged or self._pending:
+            self._merge(index, text, token_ids, finish, stop_reason)
             return
         payloads = []
         if self._role_pending[index]:
@@ -121,9 +134,36 @@ class StreamingResponse(Response):
         if self.remaining == 0:
             self._end()
 
+    def _merge(
+        self, index: int, text: str, token_ids: list[int], finish: str | None, stop_reason: int | str | None
+    ) -> None:
+        merged = self._pending.get(index)
+        if merged is None:
+            self._pending[index] = merged = _Pending()
+        merged.text += text
+        merged.token_ids += token_ids
+        if finish is not None:
+            merged.finish_reason, merged.stop_reason = finish, stop_reason
+        self.merged_deltas += 1
+        self._pending_tokens += len(token_ids)
+        policy = self.policy
+        if not self.sink.backlogged:
+            self.on_drained()
+        elif policy.kind == "abort-slow-client" and self._pending_tokens > policy.slow_client_max_tokens:
+            self.fail(503, f"client too slow: more than {policy.slow_client_max_tokens} tokens behind")
+        elif policy.kind == "stall" and self.stalled is not None and not self._stall_listed:
+            self._stall_listed = True
+            self.stalled.append(self)
+
     def on_drained(self) -> None:
+        self._queued = 0
+        self._stall_listed = False
+        if self._drained is not None:
+            self._drained.set()
+            self._drained = None
         if self.done or not self._pending:
             return
+        self._pending_tokens = 0
         payloads = []
         for index, merged in sorted(self._pending.items()):
             if self._role_pending[index]:
@@ -149,6 +189,8 @@ class StreamingResponse(Response):
     def _end(self) -> None:
         self.sink.end()
         self._finish()
+        if self._drained is not None:
+            self._drained.set()
 
     def fail(self, status: int, message: str) -> None:
         """One error event, then the end of the stream; or a plain error response if nothing was

@@ -12,6 +12,7 @@ import itertools
 import logging
 import secrets
 import time
+from dataclasses import replace
 from typing import Any, Literal
 
 import msgspec
@@ -61,6 +62,9 @@ class Serving:
         self.handler = handler
         self.dead_reason: str | None = None
         self._limiter = trio.CapacityLimiter(config.renderer_num_workers)
+        self.stream_policy = replace(
+            config.stream_policy, slow_client_max_tokens=config.slow_client_max_tokens
+        )
         self.admission = Admission(
             AdmissionLimits(
                 max_concurrent_requests=config.max_concurrent_requests,
@@ -154,6 +158,10 @@ class Serving:
         cls = StreamingResponse if options.stream else CollectingResponse
         response = cls(sink, encoder, options, prompt_ids, self._on_done)
         response.params, response.priority = params, req.priority
+        if isinstance(response, StreamingResponse):
+            response.policy = self.stream_policy
+            if self.stream_policy.kind == "stall":
+                response.stalled = self.handler.stalled
         return response
 
     def _submit(self, response: Response, arrival: float) -> None:
