@@ -323,5 +323,5 @@ class LedgerMachine(RuleBasedStateMachine):
         assert ledger.num_used_blocks == len(held)
 
 
-LedgerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+LedgerMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
 TestLedgerMachine = LedgerMachine.TestCase

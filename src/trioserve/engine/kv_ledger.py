@@ -29,7 +29,7 @@ Rules:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from trioserve.engine.block_hash import BlockHash
 
@@ -82,6 +82,11 @@ class KVLedger:
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` token slots."""
         return -(-num_tokens // self.block_size)
+
+    @property
+    def block_tables(self) -> Mapping[str, Sequence[int]]:
+        """Every request's block table (the ledger's own dict: read only)."""
+        return self._tables
 
     def block_table(self, request_id: str) -> list[int]:
         """The request's block ids in token order (the ledger's own list: do not mutate)."""
@@ -171,7 +176,7 @@ class KVLedger:
         """
         start = self._num_hashed[request_id]
         table = self._tables[request_id]
-        end = min(-(-num_computed_tokens // self.block_size), len(block_hashes), len(table))
+        end = min(num_computed_tokens // self.block_size, len(block_hashes), len(table))
         if end <= start:
             return
         hash_of = self._hash_of

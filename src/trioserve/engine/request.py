@@ -123,39 +123,32 @@ class Request:
         """The most tokens (prompt + output) this request can ever reach."""
         return min(self.num_prompt_tokens + self.sampling.max_tokens, max_model_len)
 
-    def append_output_token(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
-        bs = self.block_size
-        if bs and len(self.all_token_ids) % bs == 0:
-            extend_block_hashes(self.block_hashes, self.all_token_ids, bs, self.cache_salt)
-
-    def check_stop(self, max_model_len: int) -> bool:
-        """After appending a token: finish the request if a stop condition holds; True if it did.
+    def append_output_token(self, token_id: int, max_model_len: int) -> bool:
+        """Append a sampled token, then apply the stop rules; True if the request just finished.
 
         Rules (the engine owns these; stop *strings* belong to the API server):
         - a stop token (stop_token_ids, or EOS unless ignore_eos) stops it, but only once more than
-          ``min_tokens`` tokens exist: the first ``min_tokens`` outputs cannot be a stop;
+          ``min_tokens`` outputs exist: the first ``min_tokens`` outputs cannot be a stop;
         - ``max_tokens`` outputs, or ``max_model_len`` tokens in all, end it with "length".
         A stop token is kept in the output (the API server decides whether to show it).
+        One method for both because it runs once per request per step.
         """
-        num_output = len(self.output_token_ids)
-        last = self.output_token_ids[-1]
-        if last in self.stop_ids and num_output > self.sampling.min_tokens:
+        output = self.output_token_ids
+        tokens = self.all_token_ids
+        output.append(token_id)
+        tokens.append(token_id)
+        bs = self.block_size
+        if bs and len(tokens) % bs == 0:
+            extend_block_hashes(self.block_hashes, tokens, bs, self.cache_salt)
+        num_output = len(output)
+        if token_id in self.stop_ids and num_output > self.sampling.min_tokens:
             self.status = RequestStatus.FINISHED_STOPPED
-            self.stop_token_id = last
+            self.stop_token_id = token_id
             return True
-        if num_output >= self.sampling.max_tokens or len(self.all_token_ids) >= max_model_len:
+        if num_output >= self.sampling.max_tokens or len(tokens) >= max_model_len:
             self.status = RequestStatus.FINISHED_LENGTH
             return True
         return False
 
     def record_event(self, kind: RequestEventKind, now: float) -> None:
         self.events.append(RequestEvent(kind, now))
-
-    def take_events(self) -> list[RequestEvent] | None:
-        """The pending events (None when there are none), which are then no longer pending."""
-        if not self.events:
-            return None
-        events, self.events = self.events, []
-        return events

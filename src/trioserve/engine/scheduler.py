@@ -41,7 +41,7 @@ The structs are msgspec Structs so the busy loop can put a step on the shared-me
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -52,6 +52,8 @@ from trioserve.engine.request import Request, RequestStatus
 from trioserve.protocol.messages import AddRequest, EngineStats, RequestOutput, SamplingParams
 
 SchedulingPolicy = Literal["fcfs", "priority"]
+
+_RUNNING = RequestStatus.RUNNING
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,9 +147,6 @@ class _WaitingQueue:
         self._heap = [item for item in self._heap if item[1].request_id not in request_ids]
         heapq.heapify(self._heap)
 
-    def __iter__(self) -> Iterator[Request]:
-        return (item[1] for item in sorted(self._heap))
-
 
 # --------------------------------------------------------------------------------------------------
 # The scheduler.
@@ -235,7 +234,7 @@ class Scheduler:
             request.status = RequestStatus.FINISHED_ABORTED
             self.ledger.free(rid)
         if aborted_running:
-            self.running = [r for r in self.running if not r.is_finished]
+            self.running = [r for r in self.running if r.status is _RUNNING]
         if aborted_waiting:
             self.waiting.remove(aborted_waiting)
 
@@ -247,8 +246,10 @@ class Scheduler:
         ledger = self.ledger
         budget = cfg.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
-        running_data: dict[str, RunningRequestData] = {}
+        running_data: list[RunningRequestData] = []
         preempted: list[Request] = []
+        tables = ledger.block_tables
+        block_size = cfg.block_size
 
         # 1. Running requests, in admission order.
         running = self.running
@@ -256,16 +257,19 @@ class Scheduler:
         while index < len(running) and budget > 0:
             request = running[index]
             rid = request.request_id
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            target = request.num_computed_tokens + num_new
-            new_blocks = ledger.allocate(rid, target)
+            start = request.num_computed_tokens
+            num_tokens = len(request.all_token_ids)
+            num_new = min(num_tokens - start, budget)
+            target = start + num_new
+            # Most steps need no new block (decode inside a block): skip the ledger call then.
+            new_blocks = [] if target <= len(tables[rid]) * block_size else ledger.allocate(rid, target)
             while new_blocks is None:
                 victim_index = self._victim_index(running)
                 victim = running.pop(victim_index)
                 undone = num_scheduled.pop(victim.request_id, 0)
                 if undone:
                     budget += undone
-                    del running_data[victim.request_id]
+                    running_data = [r for r in running_data if r.request_id != victim.request_id]
                 self._preempt(victim, now)
                 preempted.append(victim)
                 if victim is request:
@@ -275,13 +279,10 @@ class Scheduler:
                 new_blocks = ledger.allocate(rid, target)
             if new_blocks is None:
                 continue  # the request preempted itself; running[index] is now the next one
-            start = request.num_computed_tokens
-            running_data[rid] = RunningRequestData(
-                rid,
-                request.all_token_ids[start:target],
-                start,
-                new_blocks,
-                target == request.num_tokens,
+            running_data.append(
+                RunningRequestData(
+                    rid, request.all_token_ids[start:target], start, new_blocks, target == num_tokens
+                )
             )
             num_scheduled[rid] = num_new
             budget -= num_new
@@ -297,7 +298,7 @@ class Scheduler:
         return SchedulerOutput(
             step=self._step,
             new_requests=new_data,
-            running_requests=list(running_data.values()),
+            running_requests=running_data,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=cfg.max_num_batched_tokens - budget,
             preempted_request_ids=[r.request_id for r in preempted],
@@ -370,39 +371,45 @@ class Scheduler:
         """Advance the scheduled requests by the step's results; return outputs per client index.
 
         ``sampled`` needs an entry for every scheduled request whose chunk ``samples`` (other entries
-        are ignored: a partial prefill chunk's sample is meaningless). Requests aborted while the step
-        ran are skipped. ``now`` is the step's end; no event needs it yet (kept so the engine core's
-        call does not change when one does).
+        are ignored: a partial prefill chunk's sample is meaningless); its lists become the outputs'
+        ``new_token_ids``, so the caller must not reuse them. Requests aborted while the step ran are
+        skipped. ``now`` is the step's end; no event needs it yet (kept so the engine core's call does
+        not change when one does).
         """
         cfg = self.config
         ledger = self.ledger
         requests = self.requests
-        caching = cfg.enable_prefix_caching
+        block_size = cfg.block_size if cfg.enable_prefix_caching else 0
         max_model_len = cfg.max_model_len
         outputs: dict[int, list[RequestOutput]] = {}
         any_finished = False
         for rid, num_new in scheduler_output.num_scheduled_tokens.items():
             request = requests.get(rid)
-            if request is None or request.status is not RequestStatus.RUNNING:
+            if request is None or request.status is not _RUNNING:
                 continue  # aborted after schedule()
-            request.num_computed_tokens += num_new
-            if caching:
-                ledger.cache_blocks(rid, request.block_hashes, request.num_computed_tokens)
-            if request.num_computed_tokens < request.num_tokens:
+            old = request.num_computed_tokens
+            computed = request.num_computed_tokens = old + num_new
+            # Blocks that just filled with computed tokens become findable by hash.
+            if block_size and computed // block_size != old // block_size:
+                ledger.cache_blocks(rid, request.block_hashes, computed)
+            if computed < len(request.all_token_ids):
                 continue  # a prefill chunk that did not reach the end: no token this step
-            new_tokens: list[int] = []
-            for token in sampled[rid]:
-                request.append_output_token(token)
-                new_tokens.append(token)
-                if request.check_stop(max_model_len):
+            new_tokens = sampled[rid]
+            finished = False
+            for i, token in enumerate(new_tokens):
+                if request.append_output_token(token, max_model_len):
+                    finished = True
+                    del new_tokens[i + 1 :]  # nothing after a stop reaches the client
                     break
+            events = request.events
+            if events:
+                request.events = []
+            # Positional (wire field order): request_id, new_token_ids, finish_reason, stop_token_id,
+            # num_cached_tokens, error, events. Keywords cost ~70 ns each, per request, per step.
             output = RequestOutput(
-                rid,
-                new_tokens,
-                num_cached_tokens=request.num_cached_tokens,
-                events=request.take_events(),
+                rid, new_tokens, None, None, request.num_cached_tokens, None, events or None
             )
-            if request.is_finished:
+            if finished:
                 output.finish_reason = request.finish_reason
                 output.stop_token_id = request.stop_token_id
                 ledger.free(rid)
@@ -415,7 +422,7 @@ class Scheduler:
                 outputs[request.client_index] = client_outputs = []
             client_outputs.append(output)
         if any_finished:
-            self.running = [r for r in self.running if not r.is_finished]
+            self.running = [r for r in self.running if r.status is _RUNNING]
         return outputs
 
     # ---------------------------------------------------------------------------------------- stats
