@@ -23,6 +23,7 @@ from trioserve.frontend.output_handler import OutputHandler
 from trioserve.frontend.serving import Serving
 from trioserve.frontend.step_queue import StepQueue
 from trioserve.frontend.tokenizer import Tokenizer
+from trioserve.metrics import Metrics
 
 log = logging.getLogger("trioserve.frontend")
 
@@ -54,9 +55,12 @@ class ApiServer:
             output_hwm=config.engine_output_hwm,
         )
         self.steps = StepQueue(config.output_queue_size, config.output_queue_policy)
-        self.handler = OutputHandler(self.engine.abort)
+        self.metrics = Metrics(config.model_names[0])
+        self.handler = OutputHandler(self.engine.abort, self.metrics)
         self.serving = Serving(config, tokenizer, self.engine, self.handler)
-        self.asgi = AsgiHost(create_app(self.serving), max_body=config.max_request_body_bytes)
+        self.asgi = AsgiHost(
+            create_app(self.serving, self.metrics_text), max_body=config.max_request_body_bytes
+        )
         self.http = HttpServer(self.serving, self.asgi.handoff, config.max_request_body_bytes)
 
     async def run(
@@ -83,4 +87,39 @@ class ApiServer:
         while True:
             due = trio.current_time() + LOOP_LAG_INTERVAL
             await trio.sleep_until(due)
-            admission.loop_lag = max(0.0, trio.current_time() - due)
+            admission.loop_lag = lag = max(0.0, trio.current_time() - due)
+            self.metrics.loop_lag.observe(lag)
+
+    def metrics_text(self) -> str:
+        stats = self.handler.engine_stats.values()
+        admission = self.serving.admission
+        gauges = {
+            "vllm:num_requests_running": (
+                "Requests running in the engines.",
+                sum(s.num_running for s in stats),
+            ),
+            "vllm:num_requests_waiting": (
+                "Requests waiting in the engines.",
+                sum(s.num_waiting for s in stats),
+            ),
+            "vllm:kv_cache_usage_perc": (
+                "KV cache usage, 0..1 (the largest across engines).",
+                max((s.kv_usage for s in stats), default=0.0),
+            ),
+            "trioserve:requests_in_flight": ("Admitted requests this API server holds.", admission.in_flight),
+            "trioserve:pending_renders": ("Requests waiting for or in the renderer.", admission.rendering),
+            "trioserve:output_queue_depth": ("Engine steps queued for the output handler.", self.steps.depth),
+            "trioserve:engine_send_queue_depth": ("Requests queued for the engine.", self.engine.queued_adds),
+            "trioserve:event_loop_lag_current_seconds": ("Latest loop-lag sample.", admission.loop_lag),
+        }
+        counters = {
+            "trioserve:output_queue_coalesced_total": (
+                "Engine steps folded into a queued step (output queue full).",
+                self.steps.coalesced,
+            ),
+            "trioserve:bad_engine_frames_total": (
+                "Engine frames that failed to decode.",
+                self.engine.bad_frames,
+            ),
+        }
+        return self.metrics.render(gauges, counters, dict(admission.rejected))

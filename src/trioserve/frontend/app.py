@@ -9,7 +9,7 @@ share ``Serving`` and the response objects. The WebSocket route multiplexes requ
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
@@ -59,7 +59,7 @@ _ws_decoder = msgspec.json.Decoder(WsRequest | WsCancel)
 _WS_ENDPOINTS: dict[str, Kind] = {"chat.completions": "chat", "completions": "completion"}
 
 
-def create_app(serving: Serving) -> QuartTrio:
+def create_app(serving: Serving, metrics_text: Callable[[], str]) -> QuartTrio:
     config = serving.config
     app = QuartTrio("trioserve")
     app.config["MAX_CONTENT_LENGTH"] = config.max_request_body_bytes
@@ -80,6 +80,10 @@ def create_app(serving: Serving) -> QuartTrio:
         if serving.dead_reason is not None:
             return _json(error_body(503, f"the engine is unavailable: {serving.dead_reason}"), 503)
         return QuartResponse(b"", status=200)
+
+    @app.get("/metrics")
+    async def metrics() -> QuartResponse:
+        return QuartResponse(metrics_text(), status=200, content_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models() -> QuartResponse:

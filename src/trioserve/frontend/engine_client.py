@@ -64,6 +64,10 @@ class EngineClient:
         self._in_codec = engine_input_codec()
         self._out_codec = engine_output_codec()
 
+    @property
+    def queued_adds(self) -> int:
+        return len(self._adds)
+
     # ---- called from any task; never blocks -------------------------------------------------------
 
     def add(self, request: AddRequest) -> None:

@@ -10,6 +10,7 @@ path: the engine client sends aborts ahead of any queued adds).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ from trioserve.frontend.detokenizer import Detokenizer
 from trioserve.frontend.responses import Response, StreamingResponse
 from trioserve.frontend.step_queue import StepQueue
 from trioserve.frontend.stop_strings import StopStringMatcher
+from trioserve.metrics import Metrics
 from trioserve.protocol.messages import EngineOutputs, EngineStats
 
 log = logging.getLogger("trioserve.frontend")
@@ -32,18 +34,19 @@ class ChoiceState:
     detokenizer: Detokenizer
     stop: StopStringMatcher | None
     include_stop: bool = False  # keep the text of a stop token / stop string (vLLM's flag)
+    arrival: float = 0.0  # wall clock when the API server received the request
+    last_token_time: float = 0.0  # wall clock of the last delivery; 0 until the first token
 
 
 class OutputHandler:
-    def __init__(self, abort: Callable[[list[str]], None]) -> None:
+    def __init__(self, abort: Callable[[list[str]], None], metrics: Metrics) -> None:
         self._abort = abort
+        self.metrics = metrics
         self.choices: dict[str, ChoiceState] = {}
         self.engine_stats: dict[int, EngineStats] = {}
-        self.steps_processed = 0
         # Under the "stall" stream policy: responses whose clients fell behind during the last step;
         # the next step waits until they have caught up.
         self.stalled: list[StreamingResponse] = []
-        self.tokens_processed = 0
 
     def register(self, choice: ChoiceState) -> None:
         self.choices[choice.request_id] = choice
@@ -59,11 +62,12 @@ class OutputHandler:
                 await self.stalled.pop().wait_drained()
 
     def process(self, step: EngineOutputs) -> None:
-        self.steps_processed += 1
         self.engine_stats[step.engine_index] = step.stats
         choices = self.choices
         to_abort: list[str] = []
         tokens = 0
+        metrics = self.metrics
+        now = time.time()
         for out in step.outputs:
             choice = choices.get(out.request_id)
             if choice is None:
@@ -71,6 +75,11 @@ class OutputHandler:
             ids = out.new_token_ids
             tokens += len(ids)
             finish = out.finish_reason
+            if choice.last_token_time:
+                metrics.itl.observe(now - choice.last_token_time)
+            else:
+                metrics.ttft.observe(now - choice.arrival)
+            choice.last_token_time = now
             if finish == "error":
                 del choices[out.request_id]
                 choice.response.fail(400, out.error or "the engine failed this request")
@@ -93,8 +102,10 @@ class OutputHandler:
                     text += choice.stop.flush()
             if finish is not None:
                 del choices[out.request_id]
+                metrics.e2e.observe(now - choice.arrival)
+                metrics.finished[finish] = metrics.finished.get(finish, 0) + 1
             choice.response.on_delta(choice.index, text, ids, finish, stop_reason)
-        self.tokens_processed += tokens
+        metrics.generation_tokens += tokens
         if to_abort:
             self._abort(to_abort)
 

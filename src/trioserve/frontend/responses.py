@@ -98,6 +98,7 @@ class StreamingResponse(Response):
         self._stall_listed = False
         self._drained: trio.Event | None = None
         self.merged_deltas = 0
+        self.content_events = 0  # chunks that carried a delta (not role or usage chunks)
 
     async def wait_drained(self) -> None:
         """Until the client has taken what was waiting (or the response is over)."""
@@ -116,6 +117,7 @@ class StreamingResponse(Response):
         sink = self.sink
         if not (self._pending or sink.backlogged or self.remaining == 0 or self._role_pending[index]):
             # The common case, once per token: one chunk, written at once.
+            self.content_events += 1
             sink.event(self.encoder.delta(index, text, token_ids, finish, stop_reason))
             return
         if sink.backlogged and not self._pending and self._queued < self.policy.queue_events:
@@ -128,6 +130,7 @@ class StreamingResponse(Response):
             self._role_pending[index] = False
             payloads.append(self.encoder.role(index))
         payloads.append(self.encoder.delta(index, text, token_ids, finish, stop_reason))
+        self.content_events += 1
         if self.remaining == 0:
             payloads += self._tail()
         sink.events(payloads)
@@ -174,6 +177,7 @@ class StreamingResponse(Response):
                     index, merged.text, merged.token_ids, merged.finish_reason, merged.stop_reason
                 )
             )
+        self.content_events += len(self._pending)
         self._pending.clear()
         if self.remaining == 0:
             payloads += self._tail()

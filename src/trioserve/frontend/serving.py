@@ -125,6 +125,7 @@ class Serving:
             ticket.release()  # ... and released on every path that does not produce a response
             raise
         response.ticket = ticket  # from here on, the response releases it when it leaves ``active``
+        self.handler.metrics.prompt_tokens += len(response.prompt_token_ids)
         self.active.add(response)
         try:
             self._submit(response, arrival)
@@ -175,7 +176,7 @@ class Serving:
             )
             detok = self.tokenizer.detokenizer(options.skip_special_tokens, prompt_ids=prompt_ids)
             include = options.include_stop_str_in_output
-            self.handler.register(ChoiceState(request_id, i, response, detok, stop, include))
+            self.handler.register(ChoiceState(request_id, i, response, detok, stop, include, arrival))
             # Parallel samples with a seed get distinct but reproducible seeds (as vLLM does).
             sp = (
                 params
@@ -208,6 +209,11 @@ class Serving:
     def _retire(self, response: Response) -> None:
         if response.ticket is not None:
             response.ticket.release()
+        if isinstance(response, StreamingResponse):
+            metrics = self.handler.metrics
+            metrics.stream_events += response.content_events
+            metrics.stream_tokens += response.completion_tokens
+            metrics.merged_deltas += response.merged_deltas
         self.active.discard(response)
         self._finished.set()
 
