@@ -72,7 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", nargs="+", default=None)
     serve.add_argument("--max-model-len", type=_positive, default=8192)
     serve.add_argument("--max-num-seqs", type=_positive, default=1024)
-    serve.add_argument("--renderer-num-workers", type=_positive, default=1)
+    serve.add_argument(
+        "--renderer-num-workers", type=_non_negative, default=1, help="threads; 0 = on the event loop"
+    )
     serve.add_argument("--max-request-body-bytes", type=_positive, default=4 * 1024 * 1024)
     serve.add_argument("--max-n", type=_positive, default=16, help="largest accepted `n`")
     serve.add_argument("--output-queue-size", type=_positive, default=64, help="engine steps")

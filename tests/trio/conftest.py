@@ -53,7 +53,9 @@ class Stack:
         return HttpClient(trio.socket.from_stdlib_socket(client_end))
 
 
-BASE_CONFIG = ServeConfig(max_model_len=512, step_interval_us=STEP_US)
+# Rendering on the event loop: a renderer thread would let the autojumping clock move by an arbitrary
+# amount while it runs, so request start times would not be deterministic.
+BASE_CONFIG = ServeConfig(max_model_len=512, step_interval_us=STEP_US, renderer_num_workers=0)
 
 
 async def start_stack(

@@ -26,6 +26,8 @@ FAST_ROUTES: dict[bytes, Kind] = {b"/v1/chat/completions": "chat", b"/v1/complet
 _RECV = 65536
 _MAX_HEAD = 64 * 1024
 _ACCEPT_BATCH = 64
+KEEP_ALIVE_TIMEOUT = 5.0  # seconds to wait for the next request head on a connection
+BODY_TIMEOUT = 30.0  # seconds to read a request body
 
 Handoff = Callable[[socket.socket, bytes], Awaitable[None]]
 
@@ -84,18 +86,22 @@ class HttpConnection:
     async def run(self) -> None:
         try:
             while True:
-                event = await self._next_event()
-                if isinstance(event, h11.ConnectionClosed) or event is h11.PAUSED:
-                    return
+                # An idle or trickling client must not hold a connection task forever (hypercorn and
+                # uvicorn close idle keep-alive connections after 5 s too).
+                event: object = None
+                with trio.move_on_after(KEEP_ALIVE_TIMEOUT):
+                    event = await self._next_event()
                 if not isinstance(event, h11.Request):
-                    return
+                    return  # timed out, closed, or a protocol state we do not continue from
                 path = event.target.split(b"?", 1)[0]
                 kind = FAST_ROUTES.get(path) if event.method == b"POST" else None
                 if kind is None:
                     self.handed_off = True
                     await self._handoff(self._sock, bytes(self._cycle_bytes))
                     return
-                body = await self._read_body(event)
+                body = None
+                with trio.move_on_after(BODY_TIMEOUT):
+                    body = await self._read_body(event)
                 if body is None:
                     return
                 await self._generate(kind, body)
@@ -107,6 +113,7 @@ class HttpConnection:
             return
 
     async def _read_body(self, request: h11.Request) -> bytes | None:
+        """The whole body, or None when the connection cannot go on (too large: a 413 is sent)."""
         for name, value in request.headers:
             if name == b"content-length" and int(value) > self._max_body:
                 self._too_large()

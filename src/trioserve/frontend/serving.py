@@ -61,7 +61,10 @@ class Serving:
         self.engine = engine
         self.handler = handler
         self.dead_reason: str | None = None
-        self._limiter = trio.CapacityLimiter(config.renderer_num_workers)
+        # 0 workers: render on the event loop itself (no thread handoff, but a long prompt holds up
+        # every stream while it renders; deterministic under a MockClock).
+        self._limiter = trio.CapacityLimiter(max(1, config.renderer_num_workers))
+        self._inline_render = config.renderer_num_workers == 0
         self.stream_policy = replace(
             config.stream_policy, slow_client_max_tokens=config.slow_client_max_tokens
         )
@@ -83,8 +86,11 @@ class Serving:
 
     async def render(self, fn: Any, *args: Any) -> Any:
         try:
+            if self._inline_render:
+                await trio.lowlevel.checkpoint()
+                return fn(*args)
             return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
-        except (ValueError, TypeError, KeyError) as exc:
+        except ValueError as exc:  # the tokenizer's word for "these messages cannot be rendered"
             raise ApiError(400, f"could not render the prompt: {exc}") from None
 
     def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
