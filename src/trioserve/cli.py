@@ -9,6 +9,8 @@ from dataclasses import fields
 from typing import Any, NoReturn, TypeVar
 
 from trioserve.config import MockEngineConfig, ServeConfig
+from trioserve.engine.core import EngineCoreConfig
+from trioserve.engine.scheduler import SchedulerConfig
 from trioserve.frontend.stream_policy import StreamPolicy
 
 T = TypeVar("T")
@@ -63,9 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=_port, default=8000)
     serve.add_argument(
         "--engine",
-        choices=["mock", "external"],
+        choices=["mock", "reference", "external"],
         default="mock",
-        help="mock: spawn the mock engine core; external: wait for engine cores at --handshake-address",
+        help="mock: spawn the mock engine core; reference: spawn an engine core with the scheduler, KV "
+        "ledger and the deterministic reference executor; external: wait for engine cores at "
+        "--handshake-address",
     )
     serve.add_argument("--handshake-address", default=None, help="ZMQ address engine cores join")
     serve.add_argument("--tokenizer", default=None, help="Hugging Face tokenizer folder")
@@ -111,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--vocab-size", type=_positive, default=32000, help="mock engine vocabulary")
     serve.add_argument("--step-interval-us", type=_non_negative, default=0, help="mock engine step clock")
     serve.add_argument("--mock-seed", type=int, default=0)
+    _add_engine_core_flags(serve)
     _add_common(serve)
 
     mock = sub.add_parser("mock-engine", help="run a mock engine core that joins an API server")
@@ -124,7 +129,31 @@ def build_parser() -> argparse.ArgumentParser:
     mock.add_argument("--output-hwm", type=_non_negative, default=64, help="steps; 0 = unbounded")
     mock.add_argument("--output-policy", choices=["fold", "block"], default="fold")
     _add_common(mock)
+
+    core = sub.add_parser(
+        "engine-core", help="run an engine core (reference executor) that joins an API server"
+    )
+    core.add_argument("--handshake-address", required=True)
+    core.add_argument("--engine-index", type=_non_negative, default=0)
+    core.add_argument("--max-num-seqs", type=_positive, default=256)
+    core.add_argument("--max-model-len", type=_positive, default=8192)
+    core.add_argument("--vocab-size", type=_positive, default=32000)
+    _add_engine_core_flags(core)
+    core.add_argument("--output-hwm", type=_non_negative, default=64, help="steps; 0 = unbounded")
+    core.add_argument("--output-policy", choices=["fold", "block"], default="fold")
+    _add_common(core)
     return parser
+
+
+def _add_engine_core_flags(p: argparse.ArgumentParser) -> None:
+    """Scheduler and KV-ledger flags, shared by ``serve`` (passed on) and ``engine-core``."""
+    p.add_argument("--block-size", type=_positive, default=16)
+    p.add_argument("--num-gpu-blocks-override", type=_positive, default=4096, help="KV blocks in the pool")
+    p.add_argument("--max-num-batched-tokens", type=_positive, default=8192)
+    p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
+    p.add_argument(
+        "--step-time-us", type=_non_negative, default=0, help="reference executor: time per forward"
+    )
 
 
 def _from_namespace(cls: type[T], ns: argparse.Namespace, **overrides: Any) -> T:
@@ -135,6 +164,25 @@ def _from_namespace(cls: type[T], ns: argparse.Namespace, **overrides: Any) -> T
 
 def serve_config(ns: argparse.Namespace) -> ServeConfig:
     return _from_namespace(ServeConfig, ns, served_model_name=tuple(ns.served_model_name or ()))
+
+
+def engine_core_config(ns: argparse.Namespace) -> EngineCoreConfig:
+    scheduler = SchedulerConfig(
+        max_num_seqs=ns.max_num_seqs,
+        max_num_batched_tokens=ns.max_num_batched_tokens,
+        max_model_len=ns.max_model_len,
+        num_blocks=ns.num_gpu_blocks_override,
+        block_size=ns.block_size,
+        policy=ns.scheduling_policy,
+    )
+    return EngineCoreConfig(
+        handshake_address=ns.handshake_address,
+        scheduler=scheduler,
+        vocab_size=ns.vocab_size,
+        engine_index=ns.engine_index,
+        output_hwm=ns.output_hwm,
+        output_policy=ns.output_policy,
+    )
 
 
 def mock_engine_config(ns: argparse.Namespace) -> MockEngineConfig:
@@ -151,6 +199,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from trioserve.launch.serve import run_serve
 
         return run_serve(config)
+    if ns.command == "engine-core":
+        from trioserve.engine.main import run_engine_core
+
+        return run_engine_core(engine_core_config(ns), ns.step_time_us / 1e6, ns.log_level)
     from trioserve.mock.main import run_mock_engine
 
     return run_mock_engine(mock_engine_config(ns))

@@ -11,7 +11,7 @@ from typing import Literal
 
 from trioserve.frontend.stream_policy import StreamPolicy
 
-EngineKind = Literal["mock", "external"]
+EngineKind = Literal["mock", "reference", "external"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +58,12 @@ class ServeConfig:
     shutdown_timeout: float = 5.0
     engine_ready_timeout: float = 120.0
     log_level: str = "info"
+    # Engine core settings, passed to the engine-core process when engine == "reference".
+    block_size: int = 16
+    num_gpu_blocks_override: int = 4096
+    max_num_batched_tokens: int = 8192
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    step_time_us: int = 0
     # Mock engine settings, used when engine == "mock".
     vocab_size: int = 32000
     step_interval_us: int = 0
@@ -70,4 +76,4 @@ class ServeConfig:
             return self.served_model_name
         if self.model:
             return (self.model,)
-        return ("trioserve-mock",)
+        return ("trioserve-reference",) if self.engine == "reference" else ("trioserve-mock",)

@@ -45,6 +45,11 @@ SERVER_FLAGS: dict[str, list[str]] = {
     "sigterm_server": ["--step-interval-us", "10000"],
     # Owned by test_process_tree: its API server is SIGKILLed.
     "sigkill_server": ["--step-interval-us", "0"],
+    # The engine core (scheduler, KV ledger, reference executor) with a pool of 32 blocks of 4 tokens.
+    "reference_server": [
+        "--engine", "reference", "--block-size", "4", "--num-gpu-blocks-override", "32",
+        "--max-num-batched-tokens", "64", "--max-model-len", "256",
+    ],
 }  # fmt: skip
 
 _HERE = Path(__file__).resolve().parent
@@ -239,3 +244,8 @@ def sigterm_server(server_pool: ServerPool) -> ServerProcess:
 @pytest.fixture(scope="session")
 def sigkill_server(server_pool: ServerPool) -> ServerProcess:
     return server_pool.get("sigkill_server")
+
+
+@pytest.fixture(scope="session")
+def reference_server(server_pool: ServerPool) -> ServerProcess:
+    return server_pool.get("reference_server")

@@ -66,7 +66,7 @@ async def test_block_everywhere_stalls_the_engine(tokenizer: Tokenizer, autojump
     assert stack.api.steps.max_depth <= 4
     # The engine could only step as fast as the slow handler drained: ~3 step times per step.
     assert elapsed > 2.5 * TOKENS * STEP
-    assert stack.engine.folded_steps == 0
+    assert stack.engine.pump.folded_steps == 0
 
 
 async def test_block_in_the_server_fold_in_the_engine(
@@ -74,7 +74,7 @@ async def test_block_in_the_server_fold_in_the_engine(
 ) -> None:
     stack, per_event, _, elapsed = await run_slow(tokenizer, output_queue_policy="block")
     assert sum(per_event) == TOKENS
-    assert stack.engine.folded_steps > 0  # the engine folded steps the socket would not take
+    assert stack.engine.pump.folded_steps > 0  # the engine folded steps the socket would not take
     assert stack.api.steps.coalesced == 0
     assert elapsed < 2.5 * TOKENS * STEP  # and kept stepping: the stream finishes far sooner
 

@@ -25,8 +25,8 @@ from trioserve.frontend.openai_schema import DetokenizeRequest, TokenizeRequest
 from trioserve.frontend.queue_sinks import SseQueueSink, WsSink
 from trioserve.frontend.responses import Response
 from trioserve.frontend.serving import Serving, message_dicts
-from trioserve.frontend.sinks import Waker
 from trioserve.frontend.validate import decode_body, resolve_model
+from trioserve.sync import Waker
 
 
 def _json(body: bytes, status: int = 200) -> QuartResponse:

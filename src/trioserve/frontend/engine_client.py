@@ -17,7 +17,6 @@ import trio
 import zmq
 
 from trioserve.engine.handshake import engine_identity
-from trioserve.frontend.sinks import Waker
 from trioserve.frontend.step_queue import StepQueue
 from trioserve.protocol.codec import ProtocolError, engine_input_codec, engine_output_codec, handshake_codec
 from trioserve.protocol.messages import (
@@ -32,6 +31,7 @@ from trioserve.protocol.messages import (
     ShutdownEngine,
     Welcome,
 )
+from trioserve.sync import Waker
 from trioserve.transport.zmq_socket import TrioZmqSocket
 
 log = logging.getLogger("trioserve.frontend")

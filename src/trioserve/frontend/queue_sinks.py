@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import msgspec
 
-from trioserve.frontend.sinks import Sink, Waker
+from trioserve.frontend.sinks import Sink
+from trioserve.sync import Waker
 
 
 class SseQueueSink(Sink):

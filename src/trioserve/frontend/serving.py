@@ -26,11 +26,12 @@ from trioserve.frontend.errors import ApiError
 from trioserve.frontend.openai_schema import ChatCompletionRequest, ChatMessage, CompletionRequest
 from trioserve.frontend.output_handler import ChoiceState, OutputHandler
 from trioserve.frontend.responses import CollectingResponse, Response, StreamingResponse
-from trioserve.frontend.sinks import Sink, Waker
+from trioserve.frontend.sinks import Sink
 from trioserve.frontend.stop_strings import StopStringMatcher
 from trioserve.frontend.tokenizer import Tokenizer
 from trioserve.frontend.validate import decode_body, output_options, sampling_params
 from trioserve.protocol.messages import AddRequest
+from trioserve.sync import Waker
 
 log = logging.getLogger("trioserve.frontend")
 

@@ -15,23 +15,9 @@ from typing import TypeVar
 
 import trio
 
+from trioserve.sync import Waker
+
 T = TypeVar("T")
-
-
-class Waker:
-    """A re-armable event: ``set`` from sync code, ``wait`` in the one task that owns the sink."""
-
-    __slots__ = ("_event",)
-
-    def __init__(self) -> None:
-        self._event = trio.Event()
-
-    def set(self) -> None:
-        self._event.set()
-
-    async def wait(self) -> None:
-        await self._event.wait()
-        self._event = trio.Event()
 
 
 class InterruptWaker(Waker):

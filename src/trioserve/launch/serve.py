@@ -42,31 +42,28 @@ def open_listener(host: str, port: int, backlog: int = 4096) -> socket.socket:
     return sock
 
 
-def mock_engine_command(config: ServeConfig, handshake: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "trioserve",
-        "mock-engine",
-        "--handshake-address",
-        handshake,
-        "--vocab-size",
-        str(config.vocab_size),
-        "--step-interval-us",
-        str(config.step_interval_us),
-        "--max-num-seqs",
-        str(config.max_num_seqs),
-        "--max-model-len",
-        str(config.max_model_len),
-        "--seed",
-        str(config.mock_seed),
-        "--log-level",
-        config.log_level,
-        "--output-hwm",
-        str(config.engine_output_hwm),
-        "--output-policy",
-        config.engine_output_policy,
+def engine_command(config: ServeConfig, handshake: str) -> list[str]:
+    """The engine process to spawn: the mock engine, or an engine core with the reference executor."""
+    common = [
+        f"--handshake-address={handshake}",
+        f"--vocab-size={config.vocab_size}",
+        f"--max-num-seqs={config.max_num_seqs}",
+        f"--max-model-len={config.max_model_len}",
+        f"--output-hwm={config.engine_output_hwm}",
+        f"--output-policy={config.engine_output_policy}",
+        f"--log-level={config.log_level}",
     ]
+    if config.engine == "mock":
+        specific = [f"--step-interval-us={config.step_interval_us}", f"--seed={config.mock_seed}"]
+        return [sys.executable, "-m", "trioserve", "mock-engine", *common, *specific]
+    specific = [
+        f"--block-size={config.block_size}",
+        f"--num-gpu-blocks-override={config.num_gpu_blocks_override}",
+        f"--max-num-batched-tokens={config.max_num_batched_tokens}",
+        f"--scheduling-policy={config.scheduling_policy}",
+        f"--step-time-us={config.step_time_us}",
+    ]
+    return [sys.executable, "-m", "trioserve", "engine-core", *common, *specific]
 
 
 async def run_engine_process(
@@ -120,8 +117,8 @@ async def serve(config: ServeConfig, listener: socket.socket, ipc_dir: str) -> N
 
     try:
         async with trio.open_nursery() as nursery:
-            if config.engine == "mock":
-                command = mock_engine_command(config, addresses.handshake)
+            if config.engine != "external":
+                command = engine_command(config, addresses.handshake)
                 await nursery.start(run_engine_process, command, engine_exited)
             await nursery.start(api.run, listener)
             ready = True

@@ -18,11 +18,10 @@ import trio.lowlevel
 import zmq
 
 from trioserve.config import MockEngineConfig
-from trioserve.engine.handshake import EngineSockets, join_frontends
-from trioserve.frontend.sinks import Waker
+from trioserve.engine.handshake import join_frontends
+from trioserve.engine.output_pump import OutputPump
 from trioserve.mock.core import MockCore
 from trioserve.protocol.codec import ProtocolError, engine_input_codec, engine_output_codec
-from trioserve.protocol.fold import fold_outputs
 from trioserve.protocol.messages import (
     AbortRequests,
     AddRequest,
@@ -48,11 +47,7 @@ class MockEngine:
         )
         self.step_count = 0
         self._rejected: dict[int, list[RequestOutput]] = {}  # client -> error outputs for next send
-        # Policy "fold": the step each client's socket has not taken yet, later steps folded in; the
-        # output pump sends it, in order, as soon as the socket takes it.
-        self._unsent: dict[int, EngineOutputs] = {}
-        self._flush_wake = Waker()
-        self.folded_steps = 0
+        self.pump: OutputPump | None = None
         self._work = trio.Event()
         self._shutdown = trio.Event()
         self._in_codec = engine_input_codec()
@@ -73,11 +68,12 @@ class MockEngine:
             async with trio.open_nursery() as nursery:
                 for sock in sockets.inputs:
                     nursery.start_soon(self._input_pump, sock)
+                self.pump = pump = OutputPump(sockets.outputs, cfg.output_policy)
                 if cfg.output_policy == "fold":
-                    nursery.start_soon(self._output_pump, sockets)
+                    nursery.start_soon(pump.run)
                 task_status.started()
                 log.info("mock engine %d ready (step %d us)", cfg.engine_index, cfg.step_interval_us)
-                await self._busy_loop(sockets)
+                await self._busy_loop(pump)
                 nursery.cancel_scope.cancel()
         finally:
             sockets.close()
@@ -102,7 +98,7 @@ class MockEngine:
                     self._shutdown.set()
                     self._work.set()
 
-    async def _busy_loop(self, sockets: EngineSockets) -> None:
+    async def _busy_loop(self, pump: OutputPump) -> None:
         interval = self.config.step_interval_us / 1e6
         next_start = trio.current_time()
         while not self._shutdown.is_set():
@@ -128,34 +124,6 @@ class MockEngine:
             stats = self.core.stats()
             now = time.time()
             for client, outs in per_client.items():
-                out = EngineOutputs(self.config.engine_index, self.step_count, now, outs, stats)
-                await self._send(sockets.outputs[client], client, out)
-
-    async def _send(self, sock: TrioZmqSocket, client: int, out: EngineOutputs) -> None:
-        if self.config.output_policy == "block":
-            await sock.send_multipart([self._out_codec.encode(out)])  # a full socket stalls the engine
-            return
-        # The output pump owns the socket (one owner per ZMQ socket: its FD is edge-triggered); the
-        # busy loop only hands steps over, folding into one the socket has not taken yet.
-        held = self._unsent.get(client)
-        if held is not None:
-            fold_outputs(held, out)
-            self.folded_steps += 1
-        else:
-            self._unsent[client] = out
-            self._flush_wake.set()
-
-    async def _output_pump(self, sockets: EngineSockets) -> None:
-        """Sends each client's held step as soon as its socket takes it (policy "fold")."""
-        while True:
-            if not self._unsent:
-                await self._flush_wake.wait()
-                continue
-            for client in list(self._unsent):
-                sock = sockets.outputs[client]
-                # Take, encode and send with no await in between: the busy loop folds into the held
-                # step until this very moment, and nothing can overtake it.
-                held = self._unsent.pop(client)
-                if not sock.try_send_multipart([self._out_codec.encode(held)]):
-                    self._unsent[client] = held
-                    await sock.wait_writable()
+                await pump.send(
+                    client, EngineOutputs(self.config.engine_index, self.step_count, now, outs, stats)
+                )

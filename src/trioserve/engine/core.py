@@ -1,0 +1,145 @@
+"""The engine-core process's Trio shell around the pure scheduler (design §3, §7).
+
+Tasks, all in one nursery: an input pump per API server (decodes requests, builds ``Request``s and
+hashes their prompt blocks between steps, so the step itself never does), the busy loop
+(``schedule`` → ``executor.execute`` → ``update_from_output``), and the output pump.
+
+Aborts take a fast path: the input pump only queues them, and the busy loop applies them right after
+the current forward, before that step's outputs are processed, so an aborted request produces no
+output after the step that was running when the abort arrived.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import trio
+import zmq
+
+from trioserve.engine.executor import Executor
+from trioserve.engine.handshake import join_frontends
+from trioserve.engine.output_pump import OutputPolicy, OutputPump
+from trioserve.engine.scheduler import Scheduler, SchedulerConfig
+from trioserve.protocol.codec import ProtocolError, engine_input_codec
+from trioserve.protocol.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineOutputs,
+    EngineReady,
+    RequestOutput,
+    ShutdownEngine,
+)
+from trioserve.sync import Waker
+from trioserve.transport.zmq_socket import TrioZmqSocket
+
+log = logging.getLogger("trioserve.engine")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCoreConfig:
+    handshake_address: str
+    scheduler: SchedulerConfig
+    vocab_size: int
+    kind: str = "reference"  # what executes the steps, as reported in the handshake
+    engine_index: int = 0
+    output_hwm: int = 64
+    output_policy: OutputPolicy = "fold"
+
+
+class EngineCore:
+    def __init__(
+        self, config: EngineCoreConfig, executor: Executor, ctx: zmq.Context[zmq.Socket[bytes]]
+    ) -> None:
+        self.config = config
+        self.executor = executor
+        self.scheduler = Scheduler(config.scheduler)
+        self._ctx = ctx
+        self._aborts: list[str] = []
+        self._rejected: dict[int, list[RequestOutput]] = {}
+        self._work = Waker()
+        self._shutdown = False
+        self._codec = engine_input_codec()
+        self.step_count = 0
+        self.pump: OutputPump | None = None
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        cfg = self.config
+        sched = cfg.scheduler
+        ready = EngineReady(
+            engine_index=cfg.engine_index,
+            pid=os.getpid(),
+            kind=cfg.kind,
+            max_model_len=sched.max_model_len,
+            max_num_seqs=sched.max_num_seqs,
+            vocab_size=cfg.vocab_size,
+            num_kv_blocks=sched.num_blocks,
+            block_size=sched.block_size,
+        )
+        sockets = await join_frontends(self._ctx, cfg.handshake_address, ready, output_hwm=cfg.output_hwm)
+        try:
+            async with trio.open_nursery() as nursery:
+                for sock in sockets.inputs:
+                    nursery.start_soon(self._input_pump, sock)
+                self.pump = pump = OutputPump(sockets.outputs, cfg.output_policy)
+                if cfg.output_policy == "fold":
+                    nursery.start_soon(pump.run)
+                task_status.started()
+                log.info("engine core %d ready (%s executor)", cfg.engine_index, cfg.kind)
+                await self._busy_loop(pump)
+                nursery.cancel_scope.cancel()
+        finally:
+            sockets.close()
+
+    async def _input_pump(self, sock: TrioZmqSocket) -> None:
+        while True:
+            frames = await sock.recv_multipart()
+            try:
+                msg = self._codec.decode(frames[-1])
+            except ProtocolError as exc:
+                log.warning("dropping frame: %s", exc)
+                continue
+            match msg:
+                case AddRequest():
+                    rejected = self.scheduler.add_request(msg, time.time())
+                    if rejected is not None:
+                        self._rejected.setdefault(msg.client_index, []).append(rejected)
+                case AbortRequests(request_ids=ids):
+                    self._aborts += ids
+                case ShutdownEngine():
+                    self._shutdown = True
+            self._work.set()
+
+    def _apply_aborts(self) -> None:
+        if self._aborts:
+            self.scheduler.abort(self._aborts)
+            self._aborts = []
+
+    async def _busy_loop(self, pump: OutputPump) -> None:
+        scheduler = self.scheduler
+        while not self._shutdown:
+            self._apply_aborts()
+            step = scheduler.schedule(time.time()) if scheduler.has_work else None
+            if step is None or step.is_empty:
+                if self._rejected:
+                    await self._send({}, pump)
+                    continue
+                await self._work.wait()  # nothing to compute until a request or an abort arrives
+                continue
+            sampled = await self.executor.execute(step)
+            self._apply_aborts()  # the fast path: before this step's outputs are processed
+            await self._send(scheduler.update_from_output(step, sampled, time.time()), pump)
+
+    async def _send(self, per_client: dict[int, list[RequestOutput]], pump: OutputPump) -> None:
+        for client, outs in self._rejected.items():
+            per_client.setdefault(client, []).extend(outs)
+        self._rejected = {}
+        self.step_count += 1
+        stats = self.scheduler.stats()
+        now = time.time()
+        for client, outs in per_client.items():
+            await pump.send(
+                client, EngineOutputs(self.config.engine_index, self.step_count, now, outs, stats)
+            )
