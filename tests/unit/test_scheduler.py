@@ -17,6 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from trioserve.engine.executor import ReferenceExecutor
+from trioserve.engine.executor import next_token as reference_next_token
 from trioserve.engine.scheduler import (
     NewRequestData,
     RunningRequestData,
@@ -30,50 +32,19 @@ VOCAB = 50
 
 
 def next_token(seq: Sequence[int]) -> int:
-    """The fake model: deterministic, and sensitive to every token and its position."""
-    h = 0
-    for t in seq:
-        h = (h * 1_000_003 + t + 1) % (2**61 - 1)
-    return h % VOCAB
+    return reference_next_token(seq, VOCAB)
 
 
-class FakeRunner:
-    """A model runner over a simulated paged KV cache."""
+class FakeRunner(ReferenceExecutor):
+    """The engine's reference executor (a model over a simulated paged KV cache), plus checks."""
 
     def __init__(self, config: SchedulerConfig) -> None:
-        self.block_size = config.block_size
-        self.kv: list[list[int | None]] = [[None] * config.block_size for _ in range(config.num_blocks)]
-        self.tables: dict[str, list[int]] = {}
+        super().__init__(config.num_blocks, config.block_size, VOCAB)
 
-    def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
-        for rid in (*out.finished_request_ids, *out.preempted_request_ids):
-            self.tables.pop(rid, None)
-        sampled: dict[str, list[int]] = {}
-        for new in out.new_requests:
-            assert new.request_id not in self.tables
-            self.tables[new.request_id] = list(new.block_ids)
-            self._run(new.request_id, new.num_computed_tokens, new.token_ids, new.samples, sampled)
-        for running in out.running_requests:
-            self.tables[running.request_id].extend(running.new_block_ids)
-            self._run(
-                running.request_id, running.num_computed_tokens, running.token_ids, running.samples, sampled
-            )
+    def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:  # type: ignore[override]
+        assert all(new.request_id not in self.tables for new in out.new_requests)
         assert sum(out.num_scheduled_tokens.values()) == out.total_num_scheduled_tokens
-        return sampled
-
-    def _run(
-        self, rid: str, start: int, tokens: list[int], samples: bool, sampled: dict[str, list[int]]
-    ) -> None:
-        bs = self.block_size
-        table = self.tables[rid]
-        for i, token in enumerate(tokens):
-            pos = start + i
-            self.kv[table[pos // bs]][pos % bs] = token
-        if samples:
-            end = start + len(tokens)
-            seq = [self.kv[table[p // bs]][p % bs] for p in range(end)]
-            assert all(t is not None for t in seq)
-            sampled[rid] = [next_token([t for t in seq if t is not None])]
+        return self.execute_now(out)
 
 
 class ScriptedRunner:
