@@ -50,6 +50,7 @@ class Metrics:
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
     e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
+    queue_time: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
     loop_lag: Histogram = field(default_factory=lambda: Histogram(LAG_BUCKETS))
     prompt_tokens: int = 0
     generation_tokens: int = 0
@@ -107,6 +108,7 @@ class Metrics:
             ("vllm:time_to_first_token_seconds", self.ttft, "Arrival (before rendering) to first token."),
             ("vllm:inter_token_latency_seconds", self.itl, "Time between a request's token deliveries."),
             ("vllm:e2e_request_latency_seconds", self.e2e, "Arrival to last token."),
+            ("vllm:request_queue_time_seconds", self.queue_time, "Engine: queued to first scheduled."),
             ("trioserve:event_loop_lag_seconds", self.loop_lag, "How late the API server's loop runs."),
         ):
             family(name, "histogram", help_text)

@@ -141,3 +141,16 @@ async def test_preempted_requests_finish_with_the_tokens_of_an_unpreempted_run(
     assert none == 0 and some > 0
     assert all(len(r) == 24 for r in roomy)
     assert tight == roomy
+
+
+async def test_engine_metrics_reach_the_api_servers_metrics(
+    core_stack: CoreStack, autojump_clock: MockClock
+) -> None:
+    client = await core_stack.client()
+    for _ in range(2):  # the second is a prefix-cache hit on the first one's prompt blocks
+        assert (await client.request(CHAT, chat_body(4))).status == 200
+    text = (await (await core_stack.client()).request("/metrics", b"", method="GET")).body.decode()
+    stats = core_stack.core.scheduler.stats()
+    assert stats.prefix_cache_hits > 0
+    assert f'vllm:prefix_cache_hits_total{{model_name="trioserve-mock"}} {stats.prefix_cache_hits}' in text
+    assert 'vllm:request_queue_time_seconds_count{model_name="trioserve-mock"} 2' in text

@@ -121,5 +121,18 @@ class ApiServer:
                 "Engine frames that failed to decode.",
                 self.engine.bad_frames,
             ),
+            # Cumulative counts the engines report with every step.
+            "vllm:num_preemptions_total": (
+                "Requests preempted by the engines.",
+                sum(s.num_preemptions for s in stats),
+            ),
+            "vllm:prefix_cache_queries_total": (
+                "Prompt tokens looked up in the prefix cache.",
+                sum(s.prefix_cache_queries for s in stats),
+            ),
+            "vllm:prefix_cache_hits_total": (
+                "Prompt tokens found in the prefix cache.",
+                sum(s.prefix_cache_hits for s in stats),
+            ),
         }
         return self.metrics.render(gauges, counters, dict(admission.rejected))

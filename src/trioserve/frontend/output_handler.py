@@ -19,7 +19,7 @@ from trioserve.frontend.responses import Response, StreamingResponse
 from trioserve.frontend.step_queue import StepQueue
 from trioserve.frontend.stop_strings import StopStringMatcher
 from trioserve.metrics import Metrics
-from trioserve.protocol.messages import EngineOutputs, EngineStats
+from trioserve.protocol.messages import EngineOutputs, EngineStats, RequestEvent
 
 log = logging.getLogger("trioserve.frontend")
 
@@ -36,6 +36,7 @@ class ChoiceState:
     include_stop: bool = False  # keep the text of a stop token / stop string (vLLM's flag)
     arrival: float = 0.0  # wall clock when the API server received the request
     last_token_time: float = 0.0  # wall clock of the last delivery; 0 until the first token
+    queued_at: float = 0.0  # the engine's "queued" stamp, until its first "scheduled" one
 
 
 class OutputHandler:
@@ -80,6 +81,8 @@ class OutputHandler:
             else:
                 metrics.ttft.observe(now - choice.arrival)
             choice.last_token_time = now
+            if out.events:
+                self._observe_events(choice, out.events)
             if finish == "error":
                 del choices[out.request_id]
                 choice.response.fail(400, out.error or "the engine failed this request")
@@ -108,6 +111,15 @@ class OutputHandler:
         metrics.generation_tokens += tokens
         if to_abort:
             self._abort(to_abort)
+
+    def _observe_events(self, choice: ChoiceState, events: list[RequestEvent]) -> None:
+        """Queue time from the engine's own stamps: queued -> first scheduled (rare: per request)."""
+        for event in events:
+            if event.kind == "queued":
+                choice.queued_at = event.timestamp
+            elif event.kind == "scheduled" and choice.queued_at:
+                self.metrics.queue_time.observe(event.timestamp - choice.queued_at)
+                choice.queued_at = 0.0
 
     def fail_all(self, status: int, message: str) -> None:
         """The engine is gone: every running request ends with an error the client sees."""
