@@ -92,6 +92,18 @@ class Proc:
         return "\n".join(lines[-n:])
 
 
+def peak_rss_mib(pid: int) -> float:
+    """The process's peak resident set size (``VmHWM`` in /proc/PID/status), MiB; nan if unknown."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return math.nan
+
+
 def _start_ticks(pid: int) -> int:
     fields = proc_stat_fields(pid)
     return int(fields[19]) if fields is not None else -1
@@ -238,6 +250,7 @@ class Row:
     client_cpu: int | None = None
     engine_cpus: tuple[int, ...] = ()
     tokens_per_step: int = 1
+    server_peak_rss_mib: float = math.nan  # API server's VmHWM at the end of the run
 
 
 @contextlib.contextmanager
@@ -309,6 +322,7 @@ def run_point(args: argparse.Namespace, kind: str, clients: int, log_dir: Path) 
             return Row(label, clients, None, f"load generator still running after {limit:.0f}s")
         if rc != 0 or not result_path.exists():
             return Row(label, clients, None, f"load generator failed (rc {rc}):\n{loadgen.log_tail()}")
+        rss = peak_rss_mib(server.pid) if server.alive() else math.nan
         result = msgspec.json.decode(result_path.read_bytes(), type=LoadResult)
         err = None if server.alive() else f"server died during the run:\n{server.log_tail()}"
         return Row(
@@ -321,6 +335,7 @@ def run_point(args: argparse.Namespace, kind: str, clients: int, log_dir: Path) 
             client_cpu=args.client_cpu,
             engine_cpus=engine_cpus,
             tokens_per_step=args.baseline_tokens_per_event if kind == "baseline" else 1,
+            server_peak_rss_mib=rss,
         )
 
 
@@ -341,6 +356,14 @@ def _failures(r: LoadResult) -> str:
     if r.bad_events:
         parts.append(f"bad events {r.bad_events}")
     return f"{n} ({', '.join(parts)})"
+
+
+def rejected(r: LoadResult) -> str:
+    """Requests refused with 429/503 in the window (not failures: the client backed off and retried)."""
+    n = sum(r.rejected_window.values())
+    if not n:
+        return "0"
+    return f"{n} ({', '.join(f'{k} {v}' for k, v in sorted(r.rejected_window.items()))})"
 
 
 def other_load(row: Row) -> tuple[float, float]:
@@ -376,7 +399,9 @@ def table(rows: list[Row], step_interval_us: int) -> str:
         "TTFT p99 ms",
         "TPOT ms",
         "tokens/event",
+        "rejected",
         "failures",
+        "API peak RSS MiB",
         "engine cores",
         "client cores",
         "client µs/event",
@@ -405,7 +430,9 @@ def table(rows: list[Row], step_interval_us: int) -> str:
             _f(r.ttft_p99_ms),
             _f(r.tpot_mean_ms, 2),
             _f(toks / r.token_events if r.token_events else math.nan, 2),
+            rejected(r),
             _failures(r),
+            _f(row.server_peak_rss_mib, 0),
             _f(eng / w, 2) if row.engine_found else "n/a",
             _f(r.client_cpu_s / w, 2),
             _f(r.client_cpu_s * 1e6 / r.sse_events if r.sse_events else math.nan),
@@ -557,7 +584,14 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(extra))
     if args.json:
         payload = [
-            {"server": r.label, "clients": r.clients, "error": r.error, "result": r.result} for r in rows
+            {
+                "server": r.label,
+                "clients": r.clients,
+                "error": r.error,
+                "server_peak_rss_mib": None if math.isnan(r.server_peak_rss_mib) else r.server_peak_rss_mib,
+                "result": r.result,
+            }
+            for r in rows
         ]
         Path(args.json).write_bytes(msgspec.json.format(msgspec.json.encode(payload)))
     if status:

@@ -7,9 +7,14 @@ by ``trio.lowlevel.wait_readable`` (one wakeup and one ``recv`` per arrival, no 
 hand-written status-line / header / chunked / SSE reader, and one ``msgspec`` decode per event into a
 struct that only keeps ``choices[].token_ids`` and ``choices[].delta.content``.
 
+A request refused with 429 or 503 (admission control) is counted as *rejected*, not as a failure, and that
+client waits the response's ``Retry-After`` seconds (1 s if absent, at most ``--max-backoff``) before its
+next request, as a real client backs off.
+
 It measures over a steady-state window: client-side token and SSE-event counts, tokens per event, TTFT of
-the requests sent inside the window, failures, and the CPU time (``utime + stime`` from ``/proc/PID/stat``)
-of any processes named with ``--watch NAME=PID`` plus its own. The result is written as JSON.
+the requests sent inside the window, rejections, failures, and the CPU time (``utime + stime`` from
+``/proc/PID/stat``) of any processes named with ``--watch NAME=PID`` plus its own.
+The result is written as JSON.
 
 Run standalone::
 
@@ -20,10 +25,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import email.utils
 import errno
 import math
 import os
 import random
+import re
 import resource
 import select
 import socket
@@ -91,6 +98,38 @@ class _Chunk(msgspec.Struct):
 _decode_chunk = msgspec.json.Decoder(_Chunk).decode
 
 HIST_MAX = 64  # tokens-per-event histogram buckets; the last one means ">= HIST_MAX"
+REJECT_STATUSES = (429, 503)  # admission refusals: counted as rejected, the client backs off
+DEFAULT_RETRY_AFTER_S = 1.0  # backoff after a refusal without a usable Retry-After header
+MAX_BACKOFF_S = 5.0
+
+
+def parse_retry_after(value: bytes | str | None, now: float | None = None) -> float | None:
+    """Seconds to wait from a ``Retry-After`` header value (delay-seconds or an HTTP-date); None if
+    absent or unparsable. ``now`` (Unix time) is for the HTTP-date form; default: the current time."""
+    if value is None:
+        return None
+    text = value.decode("latin-1") if isinstance(value, bytes) else value
+    text = text.strip()
+    if not text:
+        return None
+    try:
+        secs = float(text)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(text)
+        except (TypeError, ValueError, IndexError):
+            return None
+        if when.tzinfo is None:
+            return None
+        secs = when.timestamp() - (time.time() if now is None else now)
+    if math.isnan(secs):
+        return None
+    return max(0.0, secs)
+
+
+def backoff_seconds(retry_after: float | None, cap: float = MAX_BACKOFF_S) -> float:
+    """How long a refused client waits: ``Retry-After`` if given, else 1 s; never more than ``cap``."""
+    return min(cap, DEFAULT_RETRY_AFTER_S if retry_after is None else retry_after)
 
 
 class Counters:
@@ -138,6 +177,7 @@ class ResponseParser:
         "first_token_at",
         "keep_alive",
         "last_token_at",
+        "retry_after",
         "status",
         "tokens",
     )
@@ -150,6 +190,7 @@ class ResponseParser:
         self._left = 0
         self._crlf = False
         self.status = 0
+        self.retry_after: float | None = None  # seconds, from a Retry-After header
         self.keep_alive = True
         self.complete = False
         self.done_seen = False
@@ -220,6 +261,8 @@ class ResponseParser:
                 length = int(value.strip())
             elif name == b"connection":
                 conn = value.strip().lower()
+            elif name == b"retry-after":
+                self.retry_after = parse_retry_after(value)
         self.keep_alive = (conn == b"keep-alive") if http10 else (conn != b"close")
         if self.status != 200:
             self.error = f"http {self.status}"
@@ -312,6 +355,11 @@ class ResponseParser:
             self._json(data[start + 6 : end - 2], now)
             pos = end + 2
         return data[pos:] if pos else data
+
+    @property
+    def rejected(self) -> bool:
+        """The server refused the request (429/503 status line): admission control, not a failure."""
+        return self.status in REJECT_STATUSES
 
     def _finish(self) -> None:
         self._state = _COMPLETE
@@ -435,12 +483,17 @@ class LoadResult(msgspec.Struct):
     cpu_gone: list[str]  # watched processes that died before the window ended
     client_cpu_s: float
     cpu_busy_s: dict[int, float]  # per CPU core: busy seconds in the window, every process included
+    # Requests refused with 429/503 (by status: "429", "503"); not part of failures_*. The client
+    # waited Retry-After (capped) before its next request.
+    rejected_window: dict[str, int] = {}
+    rejected_total: dict[str, int] = {}
+    rejected_samples: list[str] = []  # up to 8 distinct refusal bodies (digits ignored when comparing)
 
 
 class _Conn:
     """One client's connection in the epoll dispatcher."""
 
-    __slots__ = ("fd", "idx", "out", "parser", "sent_at", "sock")
+    __slots__ = ("fd", "idx", "out", "parser", "resume_at", "sent_at", "sock")
 
     def __init__(self, idx: int, sock: socket.socket) -> None:
         self.idx = idx
@@ -449,6 +502,7 @@ class _Conn:
         self.out = b""  # request bytes the socket did not take yet
         self.parser: ResponseParser | None = None
         self.sent_at = 0.0
+        self.resume_at = 0.0  # perf_counter time a backing-off client may send again
 
 
 class LoadGen:
@@ -472,6 +526,7 @@ class LoadGen:
         input_words: int,
         io: str = "epoll",
         seed: int = 0,
+        max_backoff_s: float = MAX_BACKOFF_S,
     ) -> None:
         self.host = host
         self.port = port
@@ -484,6 +539,10 @@ class LoadGen:
         self.inflight_reached = trio.Event()
         self.records: list[RequestRecord] = []
         self.failures: dict[str, int] = {}
+        self.rejected: dict[str, int] = {}  # by status, "429" / "503"
+        self.rejected_samples: dict[str, str] = {}  # body with digits masked -> first such body
+        self.max_backoff_s = max_backoff_s
+        self.backing_off = 0  # clients waiting out a Retry-After (count as active for the window gate)
         self.error_samples: list[str] = []
         self.tpot_sum = 0.0
         self.tpot_n = 0
@@ -529,9 +588,26 @@ class LoadGen:
         self.current[idx] = parser
         self.current_sent_at[idx] = sent_at
         self.inflight += 1
-        if self.inflight >= self.inflight_target:
-            self.inflight_reached.set()
+        self._check_active()
         return parser, sent_at
+
+    def _check_active(self) -> None:
+        if self.inflight + self.backing_off >= self.inflight_target:
+            self.inflight_reached.set()
+
+    def _backoff(self, parser: ResponseParser | None) -> float:
+        """Seconds the client waits before its next request: > 0 only after a 429/503."""
+        if parser is None or not parser.complete or not parser.rejected:
+            return 0.0
+        return backoff_seconds(parser.retry_after, self.max_backoff_s)
+
+    async def _sleep_backoff(self, delay: float) -> None:
+        self.backing_off += 1
+        self._check_active()
+        try:
+            await trio.sleep(delay)
+        finally:
+            self.backing_off -= 1
 
     def _end(self, idx: int, parser: ResponseParser, sent_at: float, io_error: str | None) -> bool:
         """Record a finished (or failed) request; returns whether the connection can be reused."""
@@ -543,6 +619,13 @@ class LoadGen:
             pass  # counted by the caller
         elif not parser.complete:
             error = "cancelled"
+        elif parser.rejected:
+            error = f"rejected {parser.status}"
+            key = str(parser.status)
+            self.rejected[key] = self.rejected.get(key, 0) + 1
+            if len(self.rejected_samples) < 8:
+                body = f"{parser.status} {bytes(parser.error_body).decode(errors='replace')}"[:300]
+                self.rejected_samples.setdefault(re.sub(r"\d+", "N", body), body)
         elif parser.error is not None:
             error = parser.error
             detail = bytes(parser.error_body).decode(errors="replace")
@@ -638,13 +721,18 @@ class LoadGen:
                 if not reuse:
                     sock.close()
                     sock = None
+                backoff = self._backoff(parser)
+                if backoff > 0:
+                    await self._sleep_backoff(backoff)
         finally:
             if sock is not None:
                 sock.close()
 
     # -- io="epoll" --------------------------------------------------------------------------------
 
-    async def _epoll_open(self, idx: int, delay: float) -> None:
+    async def _epoll_open(self, idx: int, delay: float, backoff: float = 0.0) -> None:
+        if backoff > 0:
+            await self._sleep_backoff(backoff)
         sock = await self._connected(idx, delay)
         assert self._epoll is not None
         conn = _Conn(idx, sock)
@@ -668,10 +756,20 @@ class LoadGen:
             assert self._epoll is not None
             self._epoll.modify(conn.fd, select.EPOLLIN | select.EPOLLOUT)
 
-    def _epoll_drop(self, conn: _Conn, io_error: str | None = None, detail: str = "") -> None:
-        """Close ``conn`` (recording its request if one is open) and reconnect that client."""
+    async def _epoll_send_later(self, conn: _Conn, backoff: float) -> None:
+        """Wait out a Retry-After, then send the next request on ``conn`` if it is still open."""
+        await self._sleep_backoff(backoff)
+        if self._conns.get(conn.fd) is conn and conn.parser is None:
+            self._epoll_send(conn)
+
+    def _epoll_drop(
+        self, conn: _Conn, io_error: str | None = None, detail: str = "", backoff: float = 0.0
+    ) -> None:
+        """Close ``conn`` (recording its request if one is open) and reconnect that client (after
+        ``backoff`` seconds)."""
         if io_error is not None:
             self._fail(io_error, detail)
+        backoff = max(backoff, conn.resume_at - time.perf_counter())
         if conn.parser is not None:
             self._end(conn.idx, conn.parser, conn.sent_at, io_error)
             conn.parser = None
@@ -680,7 +778,7 @@ class LoadGen:
         with contextlib.suppress(OSError, ValueError):
             self._epoll.unregister(conn.fd)
         conn.sock.close()
-        self._nursery.start_soon(self._epoll_open, conn.idx, 0.0)
+        self._nursery.start_soon(self._epoll_open, conn.idx, 0.0, backoff)
 
     def _epoll_writable(self, conn: _Conn) -> None:
         try:
@@ -713,10 +811,15 @@ class LoadGen:
             parser.eof(time.perf_counter())
         if parser.complete:
             conn.parser = None
-            if self._end(conn.idx, parser, conn.sent_at, None):
-                self._epoll_send(conn)
+            backoff = self._backoff(parser)
+            if not self._end(conn.idx, parser, conn.sent_at, None):
+                self._epoll_drop(conn, backoff=backoff)
+            elif backoff > 0:
+                conn.resume_at = time.perf_counter() + backoff
+                assert self._nursery is not None
+                self._nursery.start_soon(self._epoll_send_later, conn, backoff)
             else:
-                self._epoll_drop(conn)
+                self._epoll_send(conn)
 
     async def _dispatch(self) -> None:
         ep = self._epoll
@@ -782,6 +885,7 @@ async def run_load(
 
         c0 = gen.counters.snapshot()
         fails0 = dict(gen.failures)
+        rej0 = dict(gen.rejected)
         rec0 = len(gen.records)
         cpu0 = cpu_all()
         busy0 = cpu_busy_seconds()
@@ -799,6 +903,7 @@ async def run_load(
         self1 = time.process_time()
         t1 = time.perf_counter()
         fails1 = dict(gen.failures)
+        rej1 = dict(gen.rejected)
         rec1 = len(gen.records)
 
         # Requests sent inside the window and still in flight: wait (up to grace_s) for their first
@@ -820,7 +925,7 @@ async def run_load(
     ttfts: list[float] = []
     missing = 0
     for r in gen.records:
-        if t0 <= r.sent_at <= t1 and r.error != "cancelled":
+        if t0 <= r.sent_at <= t1 and r.error != "cancelled" and not (r.error or "").startswith("rejected"):
             if math.isnan(r.ttft):
                 missing += 1
             else:
@@ -872,6 +977,9 @@ async def run_load(
         cpu_gone=gone,
         client_cpu_s=self1 - self0,
         cpu_busy_s={c: busy1[c] - busy0[c] for c in busy1 if c in busy0},
+        rejected_window={k: v - rej0.get(k, 0) for k, v in rej1.items() if v != rej0.get(k, 0)},
+        rejected_total=dict(gen.rejected),
+        rejected_samples=list(gen.rejected_samples.values()),
     )
 
 
@@ -903,6 +1011,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--grace", type=float, default=10.0, help="max wait for in-window TTFTs")
     ap.add_argument("--watch", action="append", default=[], metavar="NAME=PID", help="measure CPU of PID")
     ap.add_argument("--io", choices=("epoll", "tasks"), default="epoll", help="client I/O strategy")
+    ap.add_argument(
+        "--max-backoff", type=float, default=MAX_BACKOFF_S, help="cap on the Retry-After wait after 429/503"
+    )
     ap.add_argument("--cpu", type=int, default=None, help="pin this process to one CPU core")
     ap.add_argument("--result-file", default=None, help="write the JSON result here (default: stdout)")
     args = ap.parse_args(argv)
@@ -917,6 +1028,7 @@ def main(argv: list[str] | None = None) -> int:
         output_len=args.output_len,
         input_words=args.input_words,
         io=args.io,
+        max_backoff_s=args.max_backoff,
     )
     result = trio.run(
         lambda: run_load(

@@ -6,7 +6,7 @@ import random
 
 import msgspec
 
-from sse_loadgen import Counters, ResponseParser
+from sse_loadgen import Counters, ResponseParser, backoff_seconds, parse_retry_after
 
 
 def _chunk_event(ids: list[int], content: str = "x") -> bytes:
@@ -82,3 +82,21 @@ def test_errors() -> None:
     body = _chunk_event([1])
     p.feed(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + body + b"0\r\n\r\n", 0.0)
     assert p.complete and p.error == "no [DONE]"
+
+
+def test_retry_after_parse_and_rejection() -> None:
+    assert parse_retry_after(b" 1 ") == 1.0
+    assert parse_retry_after("2.5") == 2.5
+    assert parse_retry_after(b"-3") == 0.0
+    assert parse_retry_after(None) is None and parse_retry_after(b"soon") is None
+    assert parse_retry_after(b"Wed, 21 Oct 2015 07:28:03 GMT", now=1445412480.0) == 3.0
+    assert backoff_seconds(None) == 1.0 and backoff_seconds(60.0) == 5.0 and backoff_seconds(0.2) == 0.2
+
+    p = ResponseParser(Counters())
+    body = b'{"error":{"message":"busy","type":"rate_limit","code":429}}'
+    p.feed(b"HTTP/1.1 429 Too Many Requests\r\nretry-after: 2\r\ncontent-length: %d\r\n\r\n" % len(body), 0.0)
+    p.feed(body, 0.0)
+    assert p.complete and p.rejected and p.retry_after == 2.0 and p.keep_alive
+    p = ResponseParser(Counters())
+    p.feed(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n", 0.0)
+    assert p.complete and not p.rejected and p.retry_after is None
