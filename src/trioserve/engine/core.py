@@ -20,9 +20,9 @@ import trio
 import zmq
 
 from trioserve.engine.executor import Executor
-from trioserve.engine.handshake import join_frontends
 from trioserve.engine.output_pump import OutputPolicy, OutputPump
 from trioserve.engine.scheduler import Scheduler, SchedulerConfig
+from trioserve.engine.shell import run_engine
 from trioserve.protocol.codec import ProtocolError, engine_input_codec
 from trioserve.protocol.messages import (
     AbortRequests,
@@ -78,20 +78,16 @@ class EngineCore:
             num_kv_blocks=sched.num_blocks,
             block_size=sched.block_size,
         )
-        sockets = await join_frontends(self._ctx, cfg.handshake_address, ready, output_hwm=cfg.output_hwm)
-        try:
-            async with trio.open_nursery() as nursery:
-                for sock in sockets.inputs:
-                    nursery.start_soon(self._input_pump, sock)
-                self.pump = pump = OutputPump(sockets.outputs, cfg.output_policy)
-                if cfg.output_policy == "fold":
-                    nursery.start_soon(pump.run)
-                task_status.started()
-                log.info("engine core %d ready (%s executor)", cfg.engine_index, cfg.kind)
-                await self._busy_loop(pump)
-                nursery.cancel_scope.cancel()
-        finally:
-            sockets.close()
+        await run_engine(
+            self._ctx,
+            cfg.handshake_address,
+            ready,
+            output_hwm=cfg.output_hwm,
+            output_policy=cfg.output_policy,
+            input_pump=self._input_pump,
+            busy_loop=self._busy_loop,
+            task_status=task_status,
+        )
 
     async def _input_pump(self, sock: TrioZmqSocket) -> None:
         while True:
@@ -118,6 +114,8 @@ class EngineCore:
             self._aborts = []
 
     async def _busy_loop(self, pump: OutputPump) -> None:
+        self.pump = pump
+        log.info("engine core %d ready (%s executor)", self.config.engine_index, self.config.kind)
         scheduler = self.scheduler
         while not self._shutdown:
             self._apply_aborts()

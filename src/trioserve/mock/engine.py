@@ -18,8 +18,8 @@ import trio.lowlevel
 import zmq
 
 from trioserve.config import MockEngineConfig
-from trioserve.engine.handshake import join_frontends
 from trioserve.engine.output_pump import OutputPump
+from trioserve.engine.shell import run_engine
 from trioserve.mock.core import MockCore
 from trioserve.protocol.codec import ProtocolError, engine_input_codec, engine_output_codec
 from trioserve.protocol.messages import (
@@ -63,20 +63,16 @@ class MockEngine:
             max_num_seqs=cfg.max_num_seqs,
             vocab_size=cfg.vocab_size,
         )
-        sockets = await join_frontends(self._ctx, cfg.handshake_address, ready, output_hwm=cfg.output_hwm)
-        try:
-            async with trio.open_nursery() as nursery:
-                for sock in sockets.inputs:
-                    nursery.start_soon(self._input_pump, sock)
-                self.pump = pump = OutputPump(sockets.outputs, cfg.output_policy)
-                if cfg.output_policy == "fold":
-                    nursery.start_soon(pump.run)
-                task_status.started()
-                log.info("mock engine %d ready (step %d us)", cfg.engine_index, cfg.step_interval_us)
-                await self._busy_loop(pump)
-                nursery.cancel_scope.cancel()
-        finally:
-            sockets.close()
+        await run_engine(
+            self._ctx,
+            cfg.handshake_address,
+            ready,
+            output_hwm=cfg.output_hwm,
+            output_policy=cfg.output_policy,
+            input_pump=self._input_pump,
+            busy_loop=self._busy_loop,
+            task_status=task_status,
+        )
 
     async def _input_pump(self, sock: TrioZmqSocket) -> None:
         while True:
@@ -99,6 +95,9 @@ class MockEngine:
                     self._work.set()
 
     async def _busy_loop(self, pump: OutputPump) -> None:
+        self.pump = pump
+        cfg = self.config
+        log.info("mock engine %d ready (step %d us)", cfg.engine_index, cfg.step_interval_us)
         interval = self.config.step_interval_us / 1e6
         next_start = trio.current_time()
         while not self._shutdown.is_set():

@@ -2,32 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-
 import trio
-import zmq
 
 from trioserve.config import MockEngineConfig
-from trioserve.launch.process import exit_on_signals, exit_when_parent_dies, set_title, setup_logging
+from trioserve.engine.shell import run_engine_process
+from trioserve.launch.process import set_title, setup_logging
 from trioserve.mock.engine import MockEngine
 
 
 async def _main(config: MockEngineConfig) -> None:
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    try:
-        engine = MockEngine(config, ctx)
-        async with trio.open_nursery() as nursery:
-
-            async def cancel_when_done(waiter: Callable[[], Awaitable[None]]) -> None:
-                await waiter()
-                nursery.cancel_scope.cancel()
-
-            nursery.start_soon(cancel_when_done, exit_on_signals)
-            nursery.start_soon(cancel_when_done, exit_when_parent_dies)
-            await engine.run()
-            nursery.cancel_scope.cancel()
-    finally:
-        ctx.term()
+    await run_engine_process(lambda ctx: MockEngine(config, ctx).run())
 
 
 def run_mock_engine(config: MockEngineConfig) -> int:
