@@ -107,6 +107,10 @@ class ApiServer:
                 max((s.kv_usage for s in stats), default=0.0),
             ),
             "trioserve:requests_in_flight": ("Admitted requests this API server holds.", admission.in_flight),
+            "trioserve:open_connections": (
+                "Client connections open on this API server.",
+                self.http.connections,
+            ),
             "trioserve:pending_renders": ("Requests waiting for or in the renderer.", admission.rendering),
             "trioserve:output_queue_depth": ("Engine steps queued for the output handler.", self.steps.depth),
             "trioserve:engine_send_queue_depth": ("Requests queued for the engine.", self.engine.queued_adds),

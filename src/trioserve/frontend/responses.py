@@ -53,7 +53,6 @@ class Response(ABC):
         self.completion_tokens = 0
         self.remaining = options.n
         self.done = False
-        self.error: str | None = None
         # One engine request per choice; the id is also the response's key in the output handler.
         self.request_ids = [f"{encoder.id}-{i}" for i in range(options.n)]
         self.params: SamplingParams | None = None  # what the engine is asked for (set by Serving)
@@ -201,7 +200,6 @@ class StreamingResponse(Response):
         written yet (an engine that refuses a request before its first token)."""
         if self.done:
             return
-        self.error = message
         if not self.sink.started:
             self.sink.full(status, ApiError(status, message).body())
             self._finish()
@@ -264,6 +262,5 @@ class CollectingResponse(Response):
     def fail(self, status: int, message: str) -> None:
         if self.done:
             return
-        self.error = message
         self.sink.full(status, ApiError(status, message).body())
         self._finish()

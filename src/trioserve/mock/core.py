@@ -20,7 +20,6 @@ class _MockRequest:
     rng: random.Random | None  # per-request RNG when the request carries a seed, else the engine's
     stop_ids: frozenset[int]
     num_output: int = 0
-    scheduled: bool = False
 
 
 @dataclass(slots=True)

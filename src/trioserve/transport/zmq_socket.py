@@ -53,11 +53,6 @@ class TrioZmqSocket:
     def raw(self) -> zmq.Socket[bytes]:
         return self._sock
 
-    @property
-    def last_endpoint(self) -> str:
-        value = self._sock.getsockopt(zmq.LAST_ENDPOINT)
-        return value.decode() if isinstance(value, bytes) else str(value)
-
     async def _wait(self, flag: int) -> None:
         while not int(self._sock.getsockopt(zmq.EVENTS)) & flag:
             await trio.lowlevel.wait_readable(self._fd)
