@@ -74,6 +74,8 @@ class ApiServer:
             with trio.fail_after(self.config.engine_ready_timeout):
                 await nursery.start(self.engine.run, self.steps, self.serving.on_engine_dead)
             nursery.start_soon(self.handler.run, self.steps)
+            if self.serving.renderer is not None:
+                await nursery.start(self.serving.renderer.run)
             nursery.start_soon(self._watch_loop_lag)
             await nursery.start(self.asgi.run)
             if listener is not None:

@@ -25,6 +25,7 @@ from trioserve.frontend.engine_client import EngineClient
 from trioserve.frontend.errors import ApiError
 from trioserve.frontend.openai_schema import ChatCompletionRequest, ChatMessage, CompletionRequest
 from trioserve.frontend.output_handler import ChoiceState, OutputHandler
+from trioserve.frontend.renderer import RendererPool
 from trioserve.frontend.responses import CollectingResponse, Response, StreamingResponse
 from trioserve.frontend.sinks import Sink
 from trioserve.frontend.stop_strings import StopStringMatcher
@@ -64,8 +65,7 @@ class Serving:
         self.dead_reason: str | None = None
         # 0 workers: render on the event loop itself (no thread handoff, but a long prompt holds up
         # every stream while it renders; deterministic under a MockClock).
-        self._limiter = trio.CapacityLimiter(max(1, config.renderer_num_workers))
-        self._inline_render = config.renderer_num_workers == 0
+        self.renderer = RendererPool(config.renderer_num_workers) if config.renderer_num_workers else None
         self.stream_policy = replace(
             config.stream_policy, slow_client_max_tokens=config.slow_client_max_tokens
         )
@@ -87,10 +87,10 @@ class Serving:
 
     async def render(self, fn: Any, *args: Any) -> Any:
         try:
-            if self._inline_render:
+            if self.renderer is None:
                 await trio.lowlevel.checkpoint()
                 return fn(*args)
-            return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+            return await self.renderer.render(fn, *args)
         except ValueError as exc:  # the tokenizer's word for "these messages cannot be rendered"
             raise ApiError(400, f"could not render the prompt: {exc}") from None
 
