@@ -76,17 +76,17 @@ class OutputHandler:
             ids = out.new_token_ids
             tokens += len(ids)
             finish = out.finish_reason
-            if choice.last_token_time:
-                metrics.itl.observe(now - choice.last_token_time)
-            else:
-                metrics.ttft.observe(now - choice.arrival)
-            choice.last_token_time = now
             if out.events:
                 self._observe_events(choice, out.events)
             if finish == "error":
                 del choices[out.request_id]
                 choice.response.fail(400, out.error or "the engine failed this request")
                 continue
+            if choice.last_token_time:
+                metrics.itl.observe(now - choice.last_token_time)
+            else:
+                metrics.ttft.observe(now - choice.arrival)
+            choice.last_token_time = now
             detok = choice.detokenizer
             stop_reason: int | str | None = out.stop_token_id
             if stop_reason is not None and not choice.include_stop:
