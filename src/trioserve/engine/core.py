@@ -23,17 +23,16 @@ from trioserve.engine.executor import Executor
 from trioserve.engine.output_pump import OutputPolicy, OutputPump
 from trioserve.engine.scheduler import Scheduler, SchedulerConfig
 from trioserve.engine.shell import run_engine
-from trioserve.protocol.codec import ProtocolError, engine_input_codec
 from trioserve.protocol.messages import (
     AbortRequests,
     AddRequest,
+    EngineInput,
     EngineOutputs,
     EngineReady,
     RequestOutput,
     ShutdownEngine,
 )
 from trioserve.sync import Waker
-from trioserve.transport.zmq_socket import TrioZmqSocket
 
 log = logging.getLogger("trioserve.engine")
 
@@ -61,7 +60,6 @@ class EngineCore:
         self._rejected: dict[int, list[RequestOutput]] = {}
         self._work = Waker()
         self._shutdown = False
-        self._codec = engine_input_codec()
         self.step_count = 0
         self.pump: OutputPump | None = None
 
@@ -84,29 +82,22 @@ class EngineCore:
             ready,
             output_hwm=cfg.output_hwm,
             output_policy=cfg.output_policy,
-            input_pump=self._input_pump,
+            on_input=self._on_input,
             busy_loop=self._busy_loop,
             task_status=task_status,
         )
 
-    async def _input_pump(self, sock: TrioZmqSocket) -> None:
-        while True:
-            frames = await sock.recv_multipart()
-            try:
-                msg = self._codec.decode(frames[-1])
-            except ProtocolError as exc:
-                log.warning("dropping frame: %s", exc)
-                continue
-            match msg:
-                case AddRequest():
-                    rejected = self.scheduler.add_request(msg, time.time())
-                    if rejected is not None:
-                        self._rejected.setdefault(msg.client_index, []).append(rejected)
-                case AbortRequests(request_ids=ids):
-                    self._aborts += ids
-                case ShutdownEngine():
-                    self._shutdown = True
-            self._work.set()
+    def _on_input(self, msg: EngineInput) -> None:
+        match msg:
+            case AddRequest():
+                rejected = self.scheduler.add_request(msg, time.time())
+                if rejected is not None:
+                    self._rejected.setdefault(msg.client_index, []).append(rejected)
+            case AbortRequests(request_ids=ids):
+                self._aborts += ids  # applied by the busy loop right after the current forward
+            case ShutdownEngine():
+                self._shutdown = True
+        self._work.set()
 
     def _apply_aborts(self) -> None:
         if self._aborts:

@@ -3,6 +3,7 @@ pump per API server, the output pump, and running until a signal or the parent's
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 
 import trio
@@ -11,8 +12,11 @@ import zmq
 from trioserve.engine.handshake import join_frontends
 from trioserve.engine.output_pump import OutputPolicy, OutputPump
 from trioserve.launch.process import exit_on_signals, exit_when_parent_dies
-from trioserve.protocol.messages import EngineReady
+from trioserve.protocol.codec import ProtocolError, engine_input_codec
+from trioserve.protocol.messages import EngineInput, EngineReady
 from trioserve.transport.zmq_socket import TrioZmqSocket
+
+log = logging.getLogger("trioserve.engine")
 
 
 async def run_engine(
@@ -22,7 +26,7 @@ async def run_engine(
     *,
     output_hwm: int,
     output_policy: OutputPolicy,
-    input_pump: Callable[[TrioZmqSocket], Awaitable[None]],
+    on_input: Callable[[EngineInput], None],
     busy_loop: Callable[[OutputPump], Awaitable[None]],
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -31,7 +35,7 @@ async def run_engine(
     try:
         async with trio.open_nursery() as nursery:
             for sock in sockets.inputs:
-                nursery.start_soon(input_pump, sock)
+                nursery.start_soon(_input_pump, sock, on_input)
             pump = OutputPump(sockets.outputs, output_policy)
             if output_policy == "fold":
                 nursery.start_soon(pump.run)
@@ -40,6 +44,19 @@ async def run_engine(
             nursery.cancel_scope.cancel()
     finally:
         sockets.close()
+
+
+async def _input_pump(sock: TrioZmqSocket, on_input: Callable[[EngineInput], None]) -> None:
+    """One per API server: decode each frame and hand it over; a bad frame is logged and dropped."""
+    codec = engine_input_codec()
+    while True:
+        frames = await sock.recv_multipart()
+        try:
+            msg = codec.decode(frames[-1])
+        except ProtocolError as exc:
+            log.warning("dropping frame: %s", exc)
+            continue
+        on_input(msg)
 
 
 async def run_engine_process(main: Callable[[zmq.Context[zmq.Socket[bytes]]], Awaitable[None]]) -> None:

@@ -21,16 +21,16 @@ from trioserve.config import MockEngineConfig
 from trioserve.engine.output_pump import OutputPump
 from trioserve.engine.shell import run_engine
 from trioserve.mock.core import MockCore
-from trioserve.protocol.codec import ProtocolError, engine_input_codec, engine_output_codec
 from trioserve.protocol.messages import (
     AbortRequests,
     AddRequest,
+    EngineInput,
     EngineOutputs,
     EngineReady,
     RequestOutput,
     ShutdownEngine,
 )
-from trioserve.transport.zmq_socket import TrioZmqSocket
+from trioserve.sync import Waker
 
 log = logging.getLogger("trioserve.mock")
 
@@ -48,10 +48,8 @@ class MockEngine:
         self.step_count = 0
         self._rejected: dict[int, list[RequestOutput]] = {}  # client -> error outputs for next send
         self.pump: OutputPump | None = None
-        self._work = trio.Event()
-        self._shutdown = trio.Event()
-        self._in_codec = engine_input_codec()
-        self._out_codec = engine_output_codec()
+        self._work = Waker()
+        self._shutdown = False
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         cfg = self.config
@@ -69,30 +67,22 @@ class MockEngine:
             ready,
             output_hwm=cfg.output_hwm,
             output_policy=cfg.output_policy,
-            input_pump=self._input_pump,
+            on_input=self._on_input,
             busy_loop=self._busy_loop,
             task_status=task_status,
         )
 
-    async def _input_pump(self, sock: TrioZmqSocket) -> None:
-        while True:
-            frames = await sock.recv_multipart()
-            try:
-                msg = self._in_codec.decode(frames[-1])
-            except ProtocolError as exc:
-                log.warning("dropping frame: %s", exc)
-                continue
-            match msg:
-                case AddRequest():
-                    rejected = self.core.add(msg)
-                    if rejected is not None:
-                        self._rejected.setdefault(msg.client_index, []).append(rejected)
-                    self._work.set()
-                case AbortRequests(request_ids=ids):
-                    self.core.abort(ids)
-                case ShutdownEngine():
-                    self._shutdown.set()
-                    self._work.set()
+    def _on_input(self, msg: EngineInput) -> None:
+        match msg:
+            case AddRequest():
+                rejected = self.core.add(msg)
+                if rejected is not None:
+                    self._rejected.setdefault(msg.client_index, []).append(rejected)
+            case AbortRequests(request_ids=ids):
+                self.core.abort(ids)  # before the current step's tokens are made
+            case ShutdownEngine():
+                self._shutdown = True
+        self._work.set()
 
     async def _busy_loop(self, pump: OutputPump) -> None:
         self.pump = pump
@@ -100,9 +90,8 @@ class MockEngine:
         log.info("mock engine %d ready (step %d us)", cfg.engine_index, cfg.step_interval_us)
         interval = self.config.step_interval_us / 1e6
         next_start = trio.current_time()
-        while not self._shutdown.is_set():
+        while not self._shutdown:
             if not self.core.has_work and not self._rejected:
-                self._work = trio.Event()
                 await self._work.wait()
                 next_start = trio.current_time()  # a step starts as soon as work arrives
                 continue
