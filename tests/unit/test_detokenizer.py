@@ -174,6 +174,21 @@ def test_chat_template_text_parts_and_null_content(qwen3_tokenizer: Tokenizer) -
     assert rendered == "<|im_start|>user\na\nb<|im_end|>\n<|im_start|>assistant\n<|im_end|>\n"
 
 
+def test_text_parts_reach_a_string_template_as_one_string() -> None:
+    # Templates like SmolLM2's concatenate content as a string; a list of parts (what guidellm
+    # sends) must not reach them as a list (that was a TypeError inside jinja, i.e. a 500).
+    tok = load_tokenizer(None)
+    tok.hf_tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] + ': ' + m['content'] }}|{% endfor %}"
+    )
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    ids = tok.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=False)
+    assert tok.decode(ids) == "user: a\nb|"
+    tok.hf_tokenizer.chat_template = "{{ messages[0]['content'] + 1 }}"  # a template that fails on strings
+    with pytest.raises(ValueError, match="chat template rejected"):
+        tok.apply_chat_template([{"role": "user", "content": "x"}])
+
+
 @pytest.mark.parametrize(
     ("messages", "error"),
     [
@@ -184,7 +199,7 @@ def test_chat_template_text_parts_and_null_content(qwen3_tokenizer: Tokenizer) -
         ([{"role": "user", "content": 3}], r"messages\[0\]\.content"),
         ([{"role": "user", "content": [{"text": "x"}]}], r"content\[0\] must be an object"),
         ([{"role": "user", "content": [{"type": "text", "text": 1}]}], r"content\[0\]\.text"),
-        ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "content parts"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "only text parts"),
         ([{"role": "tool", "content": "42"}], "unsupported role"),
     ],
 )

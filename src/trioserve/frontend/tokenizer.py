@@ -8,11 +8,7 @@ processes load the cache.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import shutil
-import tempfile
 import unicodedata
 from collections.abc import Callable, Mapping, Sequence
 from importlib import resources
@@ -28,6 +24,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import TikTokenConverter
 
+from trioserve.cached_folder import build_cached_folder, cache_root
 from trioserve.frontend.byte_detokenizer import ByteLevelDetokenizer, ByteLevelTables
 from trioserve.frontend.detokenizer import Detokenizer, IncrementalDetokenizer
 
@@ -69,7 +66,6 @@ QWEN3_ADDED_TOKENS: Final[tuple[tuple[str, bool], ...]] = (
 
 # Bump when the cached folder's contents would change; a cache with another stamp is rebuilt.
 _BUILD_STAMP: Final = "trioserve-qwen3-tokenizer/1"
-_STAMP_FILE: Final = "trioserve_build.txt"
 
 # apply_chat_template arguments that steer transformers itself rather than the template; letting
 # chat_template_kwargs set them would change the return type or bypass our own arguments.
@@ -160,7 +156,7 @@ class Tokenizer:
         Raises ValueError for malformed messages, a missing template, or a template that rejects
         the conversation. Special tokens come from the template text itself, so none are added.
         """
-        _check_messages(messages)
+        messages = _text_messages(messages)
         extra = dict(chat_template_kwargs or {})
         reserved = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(extra))
         if reserved:
@@ -169,8 +165,10 @@ class Tokenizer:
             rendered = self._hf.apply_chat_template(
                 messages, add_generation_prompt=add_generation_prompt, tokenize=False, **extra
             )
-        except jinja2.TemplateError as exc:
-            raise ValueError(f"chat template rejected the messages: {exc}") from exc
+        except (jinja2.TemplateError, TypeError, KeyError, IndexError, AttributeError) as exc:
+            # Templates index and concatenate client data freely, so a shape the template did not
+            # expect surfaces as any of these: the client's request, not our bug (400, not 500).
+            raise ValueError(f"chat template rejected the messages: {exc!r}") from exc
         if not isinstance(rendered, str):
             raise TypeError(f"chat template rendered {type(rendered).__name__}, expected str")
         return self.encode(rendered, add_special_tokens=False)
@@ -201,10 +199,30 @@ def _load_folder(path: str) -> PreTrainedTokenizerFast:
     return hf
 
 
+def _text_messages(messages: object) -> list[dict[str, Any]]:
+    """Checked messages with every list of text parts joined into one string (with newlines, as vLLM
+    does for templates that expect string content). Most chat templates concatenate ``content`` as a
+    string, and only text is served, so a list of parts never reaches a template."""
+    _check_messages(messages)
+    assert isinstance(messages, list)
+    out: list[dict[str, Any]] = []
+    for index, message in enumerate(messages):
+        checked = dict(message)
+        content = checked.get("content")
+        if isinstance(content, list):
+            kinds = {part["type"] for part in content} - {"text"}
+            if kinds:
+                raise ValueError(
+                    f"messages[{index}].content: only text parts are supported, got {sorted(kinds)}"
+                )
+            checked["content"] = "\n".join(part["text"] for part in content)
+        out.append(checked)
+    return out
+
+
 def _check_messages(messages: object) -> None:
-    # Shape checks only; what roles and content parts a template accepts is the template's call.
-    # Messages are client data, so a wrong shape is a bad value (ValueError -> HTTP 400), not a
-    # programming error (TypeError).
+    # Shape checks only; what roles a template accepts is the template's call. Messages are client
+    # data, so a wrong shape is a bad value (ValueError -> HTTP 400), not a programming error.
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list")
     for index, message in enumerate(messages):
@@ -228,47 +246,9 @@ def _check_messages(messages: object) -> None:
 # --- the built-in Qwen3 tokenizer ------------------------------------------------------------
 
 
-def _cache_root() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "trioserve" / "tokenizers"
-
-
 def _ensure_qwen3_folder() -> Path:
-    """Return the cached folder, building it first if it is missing or stale.
-
-    Rule: the folder at ``final`` is only ever created by renaming a complete temp folder onto
-    it, so a reader sees a whole folder or none. Racing builders each build privately; the first
-    rename wins and the losers discard their copy.
-    """
-    root = _cache_root()
-    final = root / "qwen3"
-    if _stamp_ok(final):
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".qwen3-", dir=root))
-    try:
-        _write_qwen3_folder(staging)
-        if final.exists() and not _stamp_ok(final):
-            # A stale build (older stamp): move it aside atomically, then put ours in place.
-            aside = Path(tempfile.mkdtemp(prefix=".qwen3-stale-", dir=root))
-            with contextlib.suppress(OSError):  # another process moved it first
-                final.rename(aside / "qwen3")
-            shutil.rmtree(aside, ignore_errors=True)
-        try:
-            staging.rename(final)
-        except OSError:
-            if not _stamp_ok(final):
-                raise  # not a lost race but a real failure
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return final
-
-
-def _stamp_ok(folder: Path) -> bool:
-    try:
-        return (folder / _STAMP_FILE).read_text(encoding="utf-8").strip() == _BUILD_STAMP
-    except OSError:
-        return False
+    """The cached Hugging Face folder of the built-in tokenizer, built first if missing or stale."""
+    return build_cached_folder(cache_root("tokenizers") / "qwen3", _write_qwen3_folder, _BUILD_STAMP)
 
 
 def _write_qwen3_folder(folder: Path) -> None:
@@ -301,7 +281,6 @@ def _write_qwen3_folder(folder: Path) -> None:
         json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
     )
     # Written last: its presence certifies the files above are complete.
-    (folder / _STAMP_FILE).write_text(_BUILD_STAMP + "\n", encoding="utf-8")
 
 
 def _build_qwen3_backend() -> BackendTokenizer:
