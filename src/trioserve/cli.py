@@ -1,4 +1,5 @@
-"""Command line: ``trioserve serve`` and ``trioserve mock-engine``; builds the one typed config."""
+"""Command line: ``trioserve serve`` and the processes it starts (``engine-core``, ``worker``,
+``mock-engine``); builds the one typed config of each."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any, NoReturn, TypeVar
 from trioserve.config import MockEngineConfig, ServeConfig
 from trioserve.engine.core import EngineCoreConfig
 from trioserve.engine.scheduler import SchedulerConfig
+from trioserve.engine.worker_executor import WorkerExecutorConfig, step_slot_bytes
 from trioserve.frontend.stream_policy import StreamPolicy
 
 T = TypeVar("T")
@@ -44,6 +46,16 @@ def _stream_policy(text: str) -> StreamPolicy:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+_DTYPES = ["auto", "float32", "bfloat16", "float16"]
+
+
 def _port(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 65535:
@@ -65,11 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=_port, default=8000)
     serve.add_argument(
         "--engine",
-        choices=["mock", "reference", "external"],
-        default="mock",
-        help="mock: spawn the mock engine core; reference: spawn an engine core with the scheduler, KV "
-        "ledger and the deterministic reference executor; external: wait for engine cores at "
-        "--handshake-address",
+        choices=["model", "mock", "reference", "external"],
+        default="model",
+        help="model (default): an engine core running the model on a worker process; mock: the mock "
+        "engine core (random tokens on a step clock); reference: an engine core with the "
+        "deterministic reference executor; external: wait for engine cores at --handshake-address",
     )
     serve.add_argument("--handshake-address", default=None, help="ZMQ address engine cores join")
     serve.add_argument("--tokenizer", default=None, help="Hugging Face tokenizer folder")
@@ -130,10 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
     mock.add_argument("--output-policy", choices=["fold", "block"], default="fold")
     _add_common(mock)
 
-    core = sub.add_parser(
-        "engine-core", help="run an engine core (reference executor) that joins an API server"
-    )
+    core = sub.add_parser("engine-core", help="run an engine core that joins an API server")
     core.add_argument("--handshake-address", required=True)
+    core.add_argument(
+        "--model", default=None, help="run this model on a worker (default: reference executor)"
+    )
     core.add_argument("--engine-index", type=_non_negative, default=0)
     core.add_argument("--max-num-seqs", type=_positive, default=256)
     core.add_argument("--max-model-len", type=_positive, default=8192)
@@ -142,17 +155,52 @@ def build_parser() -> argparse.ArgumentParser:
     core.add_argument("--output-hwm", type=_non_negative, default=64, help="steps; 0 = unbounded")
     core.add_argument("--output-policy", choices=["fold", "block"], default="fold")
     _add_common(core)
+
+    worker = sub.add_parser("worker", help="a worker process (started by an engine core)")
+    worker.add_argument("--model", required=True)
+    worker.add_argument("--steps-ring", required=True, help="ring handle (JSON) of the step ring")
+    worker.add_argument("--results-ring", default=None, help="ring handle (JSON); output rank only")
+    worker.add_argument("--rank", type=_non_negative, default=0)
+    worker.add_argument("--block-size", type=_positive, default=16)
+    worker.add_argument("--num-blocks", type=_non_negative, default=0)
+    worker.add_argument("--kv-cache-bytes", type=_positive, default=2 << 30)
+    worker.add_argument("--device", default="auto")
+    worker.add_argument("--dtype", default="auto", choices=_DTYPES)
+    worker.add_argument("--num-threads", type=_non_negative, default=0)
+    _add_common(worker)
     return parser
 
 
 def _add_engine_core_flags(p: argparse.ArgumentParser) -> None:
     """Scheduler and KV-ledger flags, shared by ``serve`` (passed on) and ``engine-core``."""
     p.add_argument("--block-size", type=_positive, default=16)
-    p.add_argument("--num-gpu-blocks-override", type=_positive, default=4096, help="KV blocks in the pool")
-    p.add_argument("--max-num-batched-tokens", type=_positive, default=8192)
+    p.add_argument(
+        "--num-gpu-blocks-override",
+        type=_non_negative,
+        default=0,
+        help="KV blocks in the pool (0: model: what --kv-cache-gib holds; reference: 4096)",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=_positive,
+        default=2048,
+        help="tokens per engine step; longer prompts are prefilled in chunks between decodes",
+    )
     p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
     p.add_argument(
         "--step-time-us", type=_non_negative, default=0, help="reference executor: time per forward"
+    )
+    p.add_argument("--device", default="auto", help="model: cpu, cuda, cuda:N (auto: cuda when present)")
+    p.add_argument("--dtype", default="auto", choices=_DTYPES, help="model weights and KV cache")
+    p.add_argument("--kv-cache-gib", type=_positive_float, default=2.0, help="model: KV-cache memory")
+    p.add_argument(
+        "--worker-threads", type=_non_negative, default=0, help="model: torch CPU threads (0: cores - 1)"
+    )
+    p.add_argument(
+        "--worker-step-timeout",
+        type=_positive_float,
+        default=300.0,
+        help="model: seconds before a hung step fails",
     )
 
 
@@ -171,7 +219,7 @@ def engine_core_config(ns: argparse.Namespace) -> EngineCoreConfig:
         max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens,
         max_model_len=ns.max_model_len,
-        num_blocks=ns.num_gpu_blocks_override,
+        num_blocks=ns.num_gpu_blocks_override or 4096,
         block_size=ns.block_size,
         policy=ns.scheduling_policy,
     )
@@ -182,6 +230,25 @@ def engine_core_config(ns: argparse.Namespace) -> EngineCoreConfig:
         engine_index=ns.engine_index,
         output_hwm=ns.output_hwm,
         output_policy=ns.output_policy,
+    )
+
+
+def worker_executor_config(ns: argparse.Namespace) -> WorkerExecutorConfig | None:
+    if ns.model is None:
+        return None
+    return WorkerExecutorConfig(
+        model=ns.model,
+        block_size=ns.block_size,
+        num_blocks=ns.num_gpu_blocks_override,
+        kv_cache_bytes=int(ns.kv_cache_gib * (1 << 30)),
+        device=ns.device,
+        dtype=ns.dtype,
+        num_threads=ns.worker_threads,
+        step_timeout=ns.worker_step_timeout,
+        step_slot_bytes=step_slot_bytes(
+            ns.max_num_batched_tokens, ns.max_num_seqs, ns.max_model_len, ns.block_size
+        ),
+        log_level=ns.log_level,
     )
 
 
@@ -202,7 +269,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ns.command == "engine-core":
         from trioserve.engine.main import run_engine_core
 
-        return run_engine_core(engine_core_config(ns), ns.step_time_us / 1e6, ns.log_level)
+        return run_engine_core(
+            engine_core_config(ns), worker_executor_config(ns), ns.step_time_us / 1e6, ns.log_level
+        )
+    if ns.command == "worker":
+        from trioserve.worker.main import WorkerConfig, run_worker
+
+        return run_worker(_from_namespace(WorkerConfig, ns))
     from trioserve.mock.main import run_mock_engine
 
     return run_mock_engine(mock_engine_config(ns))

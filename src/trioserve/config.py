@@ -11,7 +11,7 @@ from typing import Literal
 
 from trioserve.frontend.stream_policy import StreamPolicy
 
-EngineKind = Literal["mock", "reference", "external"]
+EngineKind = Literal["model", "mock", "reference", "external"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +35,7 @@ class ServeConfig:
     model: str | None = None  # a Hugging Face folder; None: the embedded default
     host: str = "127.0.0.1"
     port: int = 8000
-    engine: EngineKind = "mock"
+    engine: EngineKind = "model"
     handshake_address: str | None = None  # for --engine external: where engine cores join
     tokenizer: str | None = None  # a Hugging Face tokenizer folder; None: the model's, or Qwen3's
     served_model_name: tuple[str, ...] = ()
@@ -58,12 +58,18 @@ class ServeConfig:
     shutdown_timeout: float = 5.0
     engine_ready_timeout: float = 120.0
     log_level: str = "info"
-    # Engine core settings, passed to the engine-core process when engine == "reference".
+    # Engine core settings, passed to the engine-core process when engine is "model" or "reference".
     block_size: int = 16
-    num_gpu_blocks_override: int = 4096
-    max_num_batched_tokens: int = 8192
+    num_gpu_blocks_override: int = 0  # 0: model: what --kv-cache-gib holds; reference: 4096
+    max_num_batched_tokens: int = 2048  # per step: bounds how long a prefill chunk stalls decodes
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     step_time_us: int = 0
+    # Worker settings, used when engine == "model".
+    device: str = "auto"
+    dtype: str = "auto"
+    kv_cache_gib: float = 2.0
+    worker_threads: int = 0
+    worker_step_timeout: float = 300.0
     # Mock engine settings, used when engine == "mock".
     vocab_size: int = 32000
     step_interval_us: int = 0

@@ -163,7 +163,9 @@ def test_chunked_prefill_splits_a_prompt_under_the_token_budget() -> None:
     assert d.schedules == [{"a": 8}, {"a": 8}, {"a": 4}, {"a": 1}, {"a": 1}]
     first, second, third, decode = d.outputs[0], d.outputs[1], d.outputs[2], d.outputs[3]
     assert first.new_requests == [
-        NewRequestData("a", add.prompt_token_ids[:8], 0, [0, 1], add.sampling, samples=False)
+        NewRequestData(
+            "a", add.prompt_token_ids[:8], 0, [0, 1], add.sampling, samples=False, num_prompt_tokens=20
+        )
     ]
     assert second.running_requests == [RunningRequestData("a", add.prompt_token_ids[8:16], 8, [2, 3], False)]
     assert third.running_requests == [RunningRequestData("a", add.prompt_token_ids[16:], 16, [4], True)]

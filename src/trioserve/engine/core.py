@@ -7,6 +7,10 @@ hashes their prompt blocks between steps, so the step itself never does), the bu
 Aborts take a fast path: the input pump only queues them, and the busy loop applies them right after
 the current forward, before that step's outputs are processed, so an aborted request produces no
 output after the step that was running when the abort arrived.
+
+An executor that fails (``ExecutorFailed``: a worker died, hung or raised), during a step or while the
+engine is idle, ends the engine: every API server gets ``EngineDead`` with the reason (and fails the
+requests it holds with it), then the process exits with an error. Nothing waits on a dead worker.
 """
 
 from __future__ import annotations
@@ -15,17 +19,19 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from typing import NoReturn
 
 import trio
 import zmq
 
-from trioserve.engine.executor import Executor
+from trioserve.engine.executor import Executor, ExecutorFailed
 from trioserve.engine.output_pump import OutputPolicy, OutputPump
 from trioserve.engine.scheduler import Scheduler, SchedulerConfig
 from trioserve.engine.shell import run_engine
 from trioserve.protocol.messages import (
     AbortRequests,
     AddRequest,
+    EngineDead,
     EngineInput,
     EngineOutputs,
     EngineReady,
@@ -62,6 +68,7 @@ class EngineCore:
         self._shutdown = False
         self.step_count = 0
         self.pump: OutputPump | None = None
+        executor.on_failure = self._work.set
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         cfg = self.config
@@ -109,6 +116,8 @@ class EngineCore:
         log.info("engine core %d ready (%s executor)", self.config.engine_index, self.config.kind)
         scheduler = self.scheduler
         while not self._shutdown:
+            if self.executor.failure is not None:
+                await self._die(str(self.executor.failure), pump)
             self._apply_aborts()
             step = scheduler.schedule(time.time()) if scheduler.has_work else None
             if step is None or step.is_empty:
@@ -117,9 +126,18 @@ class EngineCore:
                     continue
                 await self._work.wait()  # nothing to compute until a request or an abort arrives
                 continue
-            sampled = await self.executor.execute(step)
+            try:
+                sampled = await self.executor.execute(step)
+            except ExecutorFailed as exc:
+                await self._die(str(exc), pump)
             self._apply_aborts()  # the fast path: before this step's outputs are processed
             await self._send(scheduler.update_from_output(step, sampled, time.time()), pump)
+
+    async def _die(self, reason: str, pump: OutputPump) -> NoReturn:
+        """The model cannot run any more: tell every API server (each fails the requests it holds with
+        ``reason``), then end this process with an error."""
+        await pump.send_dead(EngineDead(self.config.engine_index, reason))
+        raise ExecutorFailed(reason)
 
     async def _send(self, per_client: dict[int, list[RequestOutput]], pump: OutputPump) -> None:
         for client, outs in self._rejected.items():

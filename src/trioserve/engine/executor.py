@@ -11,7 +11,7 @@ preemption therefore changes the tokens, which is what the tests check.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import trio
@@ -19,7 +19,16 @@ import trio
 from trioserve.engine.scheduler import SchedulerOutput
 
 
+class ExecutorFailed(Exception):
+    """The model can no longer run: every request the engine holds is lost."""
+
+
 class Executor(Protocol):
+    # Set once the executor can no longer run steps (e.g. a worker died while the engine was idle);
+    # the executor then calls ``on_failure``, which the engine core sets to wake its busy loop.
+    failure: ExecutorFailed | None
+    on_failure: Callable[[], None]
+
     async def execute(self, step: SchedulerOutput) -> dict[str, list[int]]: ...
 
 
@@ -38,6 +47,8 @@ class ReferenceExecutor:
         self.step_time = step_time  # seconds a forward "takes" (0: none)
         self.kv: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.tables: dict[str, list[int]] = {}
+        self.failure: ExecutorFailed | None = None  # never: it runs in-process
+        self.on_failure: Callable[[], None] = lambda: None
 
     async def execute(self, step: SchedulerOutput) -> dict[str, list[int]]:
         if self.step_time:

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from typing import Literal
 
+import trio
+
 from trioserve.protocol.codec import engine_output_codec
 from trioserve.protocol.fold import fold_outputs
-from trioserve.protocol.messages import EngineOutputs
+from trioserve.protocol.messages import EngineDead, EngineOutputs
 from trioserve.sync import Waker
 from trioserve.transport.zmq_socket import TrioZmqSocket
 
@@ -28,6 +30,7 @@ class OutputPump:
         self._held: dict[int, EngineOutputs] = {}  # client -> the step its socket has not taken yet
         self._wake = Waker()
         self.folded_steps = 0
+        self._drained: trio.Event | None = None
 
     async def send(self, client: int, step: EngineOutputs) -> None:
         """Called by the busy loop once per step per client."""
@@ -41,6 +44,17 @@ class OutputPump:
         else:
             self._held[client] = step
             self._wake.set()
+
+    async def send_dead(self, dead: EngineDead, timeout: float = 2.0) -> None:
+        """The last message to every API server: what is held goes first, then ``dead``. Gives up
+        after ``timeout`` seconds (an API server that reads nothing more would keep us forever)."""
+        with trio.move_on_after(timeout):
+            if self.policy == "fold" and self._held:
+                self._drained = trio.Event()  # the sender task sets it once nothing is held
+                await self._drained.wait()
+            frame = self._codec.encode(dead)
+            for sock in self._sockets:
+                await sock.send_multipart([frame])
 
     async def run(self) -> None:
         """The sender task of the ``fold`` policy."""
@@ -56,3 +70,5 @@ class OutputPump:
                 if not sock.try_send_multipart([self._codec.encode(held)]):
                     self._held[client] = held
                     await sock.wait_writable()
+            if not self._held and self._drained is not None:
+                self._drained.set()

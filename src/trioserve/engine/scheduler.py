@@ -88,6 +88,11 @@ class NewRequestData(msgspec.Struct, array_like=True, gc=False):
     block_ids: list[int]  # the whole block table
     sampling: SamplingParams
     samples: bool  # this chunk reaches the last known token: the step's sample is the next output
+    # For the sampler: where the outputs start (output index = position of the sampled token minus
+    # this, stable across preemption, which keeps seeded sampling reproducible) and the EOS that
+    # min_tokens suppresses.
+    num_prompt_tokens: int = 0
+    eos_token_id: int | None = None
 
 
 class RunningRequestData(msgspec.Struct, array_like=True, gc=False):
@@ -341,6 +346,8 @@ class Scheduler:
                     list(ledger.block_table(rid)),
                     request.sampling,
                     target == num_tokens,
+                    len(request.prompt_token_ids),
+                    request.eos_token_id,
                 )
             )
             num_scheduled[rid] = num_new

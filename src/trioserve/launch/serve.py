@@ -8,6 +8,7 @@ itself if this process disappears.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import os
@@ -24,6 +25,7 @@ from trioserve.config import ServeConfig
 from trioserve.frontend.api_server import ApiServer, EngineAddresses
 from trioserve.frontend.tokenizer import load_tokenizer
 from trioserve.launch.process import exit_on_signals, set_title, setup_logging
+from trioserve.worker.geometry import KVGeometry
 
 log = logging.getLogger("trioserve")
 
@@ -43,7 +45,8 @@ def open_listener(host: str, port: int, backlog: int = 4096) -> socket.socket:
 
 
 def engine_command(config: ServeConfig, handshake: str) -> list[str]:
-    """The engine process to spawn: the mock engine, or an engine core with the reference executor."""
+    """The engine process to spawn: the mock engine, or an engine core (with a worker running the
+    model, or with the reference executor)."""
     common = [
         f"--handshake-address={handshake}",
         f"--vocab-size={config.vocab_size}",
@@ -56,6 +59,16 @@ def engine_command(config: ServeConfig, handshake: str) -> list[str]:
     if config.engine == "mock":
         specific = [f"--step-interval-us={config.step_interval_us}", f"--seed={config.mock_seed}"]
         return [sys.executable, "-m", "trioserve", "mock-engine", *common, *specific]
+    if config.engine == "model":
+        assert config.model is not None, "resolve_model() first"
+        common += [
+            f"--model={config.model}",
+            f"--device={config.device}",
+            f"--dtype={config.dtype}",
+            f"--kv-cache-gib={config.kv_cache_gib}",
+            f"--worker-threads={config.worker_threads}",
+            f"--worker-step-timeout={config.worker_step_timeout}",
+        ]
     specific = [
         f"--block-size={config.block_size}",
         f"--num-gpu-blocks-override={config.num_gpu_blocks_override}",
@@ -137,9 +150,34 @@ async def serve(config: ServeConfig, listener: socket.socket, ipc_dir: str) -> N
         ctx.destroy(linger=0)
 
 
+def resolve_model(config: ServeConfig) -> ServeConfig:
+    """For ``--engine model``: the model folder (converting the embedded default on first use), the
+    model's vocabulary, and ``max_model_len`` capped at what the model's positions allow."""
+    model = config.model
+    names = config.served_model_name
+    if model is None:
+        from trioserve.worker.embedded_model import MODEL_NAME, ensure_default_model
+
+        model = str(ensure_default_model(progress=log.info))
+        names = names or (MODEL_NAME,)
+    geometry = KVGeometry.from_model_dir(model)
+    max_len = config.max_model_len
+    if geometry.max_position_embeddings:
+        max_len = min(max_len, geometry.max_position_embeddings)
+    return dataclasses.replace(
+        config, model=model, served_model_name=names, max_model_len=max_len, vocab_size=geometry.vocab_size
+    )
+
+
 def run_serve(config: ServeConfig) -> int:
     set_title("APIServer")
     setup_logging(config.log_level)
+    if config.engine == "model":
+        try:
+            config = resolve_model(config)
+        except (ValueError, RuntimeError) as exc:
+            print(f"trioserve serve: error: {exc}", file=sys.stderr)
+            return 1
     try:
         listener = open_listener(config.host, config.port)
     except OSError as exc:

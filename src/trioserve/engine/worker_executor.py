@@ -1,0 +1,235 @@
+"""The engine core's side of the workers: spawn them, feed each step through the shared-memory ring,
+read the output rank's answer, and turn every way a worker can fail into an ``ExecutorFailed`` the busy
+loop reports, never a hang (design §8).
+
+How a failure is seen:
+
+- the worker raised: it says so (``WorkerFailed``) on the result ring before exiting;
+- the worker died (killed, crashed in C): EOF on a ring's doorbell pipe surfaces as ``WriterDied`` /
+  ``ReaderDied`` in whichever read or write is waiting, and the watcher task notices the exit even when
+  the engine is idle;
+- the worker hangs: a step that takes longer than ``step_timeout`` seconds.
+
+``open_worker_executor`` is an async context manager: it yields once every worker has loaded the model
+(so the engine core can size its KV ledger from what the worker allocated) and on exit shuts the workers
+down (``WorkerShutdown``, then SIGTERM, then SIGKILL) and unlinks the rings, leaving nothing behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import msgspec
+import trio
+
+from trioserve.engine.executor import ExecutorFailed
+from trioserve.engine.scheduler import SchedulerOutput
+from trioserve.protocol.codec import ProtocolError
+from trioserve.protocol.worker_messages import (
+    StepResult,
+    WorkerFailed,
+    WorkerOutput,
+    WorkerReady,
+    WorkerShutdown,
+    WorkerStep,
+    worker_output_codec,
+)
+from trioserve.transport.shm_ring import ReaderDied, RingReader, RingWriter, ShmRing, WriterClosed, WriterDied
+
+log = logging.getLogger("trioserve.engine")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerExecutorConfig:
+    model: str
+    block_size: int
+    num_blocks: int  # 0: as many as kv_cache_bytes holds
+    kv_cache_bytes: int
+    device: str = "auto"
+    dtype: str = "auto"
+    num_threads: int = 0
+    step_timeout: float = 300.0  # a worker that takes longer on one step is declared hung
+    ready_timeout: float = 300.0  # loading the model
+    step_slot_bytes: int = 4 << 20  # one SchedulerOutput, encoded, must fit
+    result_slot_bytes: int = 1 << 20
+    log_level: str = "info"
+
+
+def step_slot_bytes(
+    max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int
+) -> int:
+    """An upper bound on one encoded ``SchedulerOutput`` (msgpack ints take at most 5 bytes here; 256
+    bytes of request id, sampling parameters and framing per request), rounded up to a MiB."""
+    per_request = 256 + 5 * (-(-max_model_len // block_size))
+    bound = 5 * max_num_batched_tokens + max_num_seqs * per_request + 4096
+    return -(-bound // (1 << 20)) * (1 << 20)
+
+
+class WorkerExecutor:
+    def __init__(
+        self,
+        config: WorkerExecutorConfig,
+        steps: RingWriter,
+        results: RingReader,
+        proc: trio.Process,
+        ready: WorkerReady,
+    ) -> None:
+        self.config = config
+        self.ready = ready
+        self._steps = steps
+        self._results = results
+        self._proc = proc
+        self._encoder = msgspec.msgpack.Encoder()
+        self._codec = worker_output_codec()
+        self.failure: ExecutorFailed | None = None
+        self.on_failure: Callable[[], None] = lambda: None  # the engine core wakes its busy loop here
+        self.forward_seconds = 0.0
+        self._stopping = False
+
+    async def execute(self, step: SchedulerOutput) -> dict[str, list[int]]:
+        if self.failure is not None:
+            raise self.failure
+        try:
+            await self._steps.write(self._encoder.encode(WorkerStep(step)))
+            with trio.move_on_after(self.config.step_timeout) as scope:
+                message = await self._read()
+        except (ReaderDied, WriterDied, WriterClosed) as exc:
+            raise await self._died(exc) from None
+        if scope.cancelled_caught:
+            raise self._fail(f"worker 0 took more than {self.config.step_timeout:g} s on step {step.step}")
+        if not isinstance(message, StepResult) or message.step != step.step:
+            raise self._fail(f"worker 0 answered step {step.step} with {message!r}")
+        self.forward_seconds += message.forward_seconds
+        return message.sampled
+
+    async def _read(self) -> WorkerOutput:
+        try:
+            message = self._codec.decode(await self._results.read())
+        except ProtocolError as exc:
+            raise self._fail(f"worker 0 sent a bad frame: {exc}") from None
+        if isinstance(message, WorkerFailed):
+            raise self._fail(f"worker {message.rank} failed: {message.error}")
+        return message
+
+    def _fail(self, reason: str) -> ExecutorFailed:
+        if self.failure is None:
+            log.error("%s", reason)
+            self.failure = ExecutorFailed(reason)
+            self.on_failure()
+        return self.failure
+
+    async def _died(self, exc: Exception) -> ExecutorFailed:
+        with trio.move_on_after(1.0):
+            await self._proc.wait()
+        return self._fail(f"worker 0 died ({_exit_text(self._proc.returncode)}; {exc})")
+
+    async def watch(self) -> None:
+        """Reports a worker that exits while the engine core is idle (a busy one sees it in ``execute``)."""
+        code = await self._proc.wait()
+        if not self._stopping:
+            self._fail(f"worker 0 died ({_exit_text(code)})")
+
+    async def shutdown(self) -> None:
+        self._stopping = True
+        if self._proc.returncode is None and self.failure is None:
+            self._steps.try_write(self._encoder.encode(WorkerShutdown()))
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+
+
+def worker_command(config: WorkerExecutorConfig, steps_handle: str, results_handle: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "trioserve",
+        "worker",
+        f"--model={config.model}",
+        f"--steps-ring={steps_handle}",
+        f"--results-ring={results_handle}",
+        f"--block-size={config.block_size}",
+        f"--num-blocks={config.num_blocks}",
+        f"--kv-cache-bytes={config.kv_cache_bytes}",
+        f"--device={config.device}",
+        f"--dtype={config.dtype}",
+        f"--num-threads={config.num_threads}",
+        f"--log-level={config.log_level}",
+    ]
+
+
+@asynccontextmanager
+async def open_worker_executor(config: WorkerExecutorConfig) -> AsyncIterator[WorkerExecutor]:
+    with (
+        ShmRing(num_slots=4, slot_size=config.step_slot_bytes, num_readers=1) as step_ring,
+        ShmRing(num_slots=4, slot_size=config.result_slot_bytes, num_readers=1) as result_ring,
+    ):
+        steps, results = step_ring.writer(), result_ring.reader(0)
+        with step_ring.handoff_reader(0) as steps_end, result_ring.handoff_writer() as results_end:
+            proc = await trio.lowlevel.open_process(
+                worker_command(config, steps_end.to_json(), results_end.to_json()),
+                stdin=subprocess.DEVNULL,
+                pass_fds=(*steps_end.fds, *results_end.fds),
+            )
+        executor: WorkerExecutor | None = None
+        try:
+            ready = await _wait_ready(config, results, proc)
+            executor = WorkerExecutor(config, steps, results, proc, ready)
+            log.info(
+                "worker 0 (pid %d) ready on %s in %.1f s with %d KV blocks",
+                ready.pid, ready.device, ready.load_seconds, ready.num_blocks,
+            )  # fmt: skip
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(executor.watch)
+                try:
+                    yield executor
+                finally:
+                    await executor.shutdown()
+                    nursery.cancel_scope.cancel()
+        finally:
+            # A worker that failed (hung, say) gets no grace period: it would only wait it out.
+            await _reap(proc, grace=5.0 if executor is None or executor.failure is None else 0.0)
+
+
+async def _wait_ready(config: WorkerExecutorConfig, results: RingReader, proc: trio.Process) -> WorkerReady:
+    codec = worker_output_codec()
+    with trio.move_on_after(config.ready_timeout):
+        try:
+            message = codec.decode(await results.read())
+        except (WriterDied, WriterClosed):
+            await proc.wait()
+            raise ExecutorFailed(
+                f"worker 0 exited while loading {config.model} ({_exit_text(proc.returncode)})"
+            ) from None
+        except ProtocolError as exc:
+            raise ExecutorFailed(f"worker 0 sent a bad frame while loading: {exc}") from None
+        if isinstance(message, WorkerReady):
+            return message
+        if isinstance(message, WorkerFailed):
+            raise ExecutorFailed(message.error)
+        raise ExecutorFailed(f"worker 0 started with {message!r}")
+    raise ExecutorFailed(f"worker 0 did not load {config.model} within {config.ready_timeout:g} s")
+
+
+async def _reap(proc: trio.Process, grace: float) -> None:
+    """Waits ``grace`` seconds for a worker told to stop, then SIGTERM (3 s), then SIGKILL: no process is
+    left behind. Without grace it goes straight to SIGKILL (a stopped or hung process ignores SIGTERM)."""
+    steps = ((None, grace), (proc.terminate, 3.0)) if grace else ()
+    with trio.CancelScope(shield=True):
+        for signal_it, wait in steps:
+            if signal_it is not None:
+                signal_it()
+            with trio.move_on_after(wait):
+                await proc.wait()
+            if proc.returncode is not None:
+                return
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()

@@ -1,0 +1,208 @@
+"""The model runner: one ``SchedulerOutput`` in, one forward pass, sampled token ids out.
+
+It keeps, per request, the block table and sampling parameters the scheduler sent when the request
+was first scheduled (``new_requests``), extends the table with each step's new blocks, and forgets
+requests the scheduler reports finished or preempted. Everything else — which tokens, at which
+positions — comes with each step, so the runner holds no other state than the KV cache itself.
+
+All scheduled tokens of a step run as one flat sequence (continuous batching: prefill chunks and
+decodes in the same forward); ``paged_attention`` maps them onto the paged cache. Only the rows that
+sample go through the LM head (``logits_to_keep`` with their indices).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from trioserve.engine.scheduler import SchedulerOutput
+from trioserve.protocol.messages import SamplingParams
+from trioserve.worker.geometry import KVGeometry
+from trioserve.worker.paged_attention import ATTN_IMPLEMENTATION, BatchLayout, PagedKVCache, PrefillSpan
+from trioserve.worker.sampler import Sampler, SamplingRow
+
+log = logging.getLogger("trioserve.worker")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerConfig:
+    model: str  # a Hugging Face folder: config.json, safetensors, tokenizer files
+    num_blocks: int
+    block_size: int
+    device: str = "cpu"
+    dtype: str = "float32"
+    num_threads: int = 0  # torch intra-op threads on the CPU; 0: torch's default
+
+
+@dataclass(slots=True)
+class _Sequence:
+    block_ids: list[int]
+    sampling: SamplingParams
+    num_prompt_tokens: int
+    stop_ids: tuple[int, ...]  # banned while fewer than min_tokens outputs exist
+
+
+@dataclass(slots=True)
+class _Scheduled:
+    request_id: str
+    token_ids: list[int]
+    start: int  # position of the first token
+    samples: bool
+
+
+class ModelRunner:
+    def __init__(self, model: Any, num_blocks: int, block_size: int) -> None:
+        self.model = model
+        self.device: torch.device = model.device
+        geometry = KVGeometry.from_mapping(model.config.to_dict())
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.load_seconds = 0.0  # set by load()
+        self.vocab_size = geometry.vocab_size
+        self.cache = PagedKVCache(
+            geometry.num_layers,
+            num_blocks,
+            block_size,
+            geometry.num_kv_heads,
+            geometry.head_dim,
+            model.dtype,
+            self.device,
+        )
+        self.sampler = Sampler(self.device)
+        self.sequences: dict[str, _Sequence] = {}
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+
+    @classmethod
+    def load(cls, config: RunnerConfig) -> ModelRunner:
+        if config.num_threads > 0:
+            torch.set_num_threads(config.num_threads)
+        started = time.perf_counter()
+        model: Any = AutoModelForCausalLM.from_pretrained(
+            config.model, dtype=_DTYPES[config.dtype], attn_implementation=ATTN_IMPLEMENTATION
+        )
+        model = model.to(config.device).eval()
+        runner = cls(model, config.num_blocks, config.block_size)
+        runner.load_seconds = time.perf_counter() - started
+        log.info(
+            "loaded %s on %s (%s) in %.1f s; KV cache: %d blocks of %d tokens",
+            config.model,
+            config.device,
+            config.dtype,
+            runner.load_seconds,
+            config.num_blocks,
+            config.block_size,
+        )
+        return runner
+
+    # ----------------------------------------------------------------------------------------------
+
+    def execute(self, step: SchedulerOutput) -> dict[str, list[int]]:
+        for rid in (*step.finished_request_ids, *step.preempted_request_ids):
+            self.sequences.pop(rid, None)
+        scheduled: list[_Scheduled] = []
+        for new in step.new_requests:
+            s = new.sampling
+            stop_ids = list(s.stop_token_ids)
+            if new.eos_token_id is not None and not s.ignore_eos:
+                stop_ids.append(new.eos_token_id)
+            self.sequences[new.request_id] = _Sequence(
+                list(new.block_ids), s, new.num_prompt_tokens, tuple(stop_ids)
+            )
+            scheduled.append(_Scheduled(new.request_id, new.token_ids, new.num_computed_tokens, new.samples))
+        for running in step.running_requests:
+            self.sequences[running.request_id].block_ids.extend(running.new_block_ids)
+            scheduled.append(
+                _Scheduled(
+                    running.request_id, running.token_ids, running.num_computed_tokens, running.samples
+                )
+            )
+        if not scheduled:
+            return {}
+        with torch.inference_mode():
+            return self._forward(scheduled)
+
+    def _forward(self, scheduled: list[_Scheduled]) -> dict[str, list[int]]:
+        dev = self.device
+        input_ids: list[int] = []
+        positions: list[int] = []
+        sample_rows: list[int] = []
+        sampling: list[SamplingRow] = []
+        sample_ids: list[str] = []
+        for item in scheduled:
+            n = len(item.token_ids)
+            input_ids += item.token_ids
+            positions += range(item.start, item.start + n)
+            if item.samples:
+                sample_rows.append(len(input_ids) - 1)
+                sample_ids.append(item.request_id)
+                sampling.append(self._sampling_row(item))
+        layout = self._layout(scheduled, positions)
+        out = self.model(
+            input_ids=torch.tensor([input_ids], device=dev),
+            position_ids=torch.tensor([positions], device=dev),
+            use_cache=False,
+            logits_to_keep=torch.tensor(sample_rows, dtype=torch.long, device=dev),
+            trioserve_layout=layout,
+            trioserve_cache=self.cache,
+        )
+        if not sample_rows:
+            return {}
+        tokens = self.sampler.sample(out.logits[0], sampling)
+        return {rid: [token] for rid, token in zip(sample_ids, tokens, strict=True)}
+
+    def _sampling_row(self, item: _Scheduled) -> SamplingRow:
+        seq = self.sequences[item.request_id]
+        s = seq.sampling
+        output_index = item.start + len(item.token_ids) - seq.num_prompt_tokens
+        banned = seq.stop_ids if output_index < s.min_tokens else ()
+        return SamplingRow(s.temperature, s.top_p, s.top_k, s.seed, output_index, banned)
+
+    def _layout(self, scheduled: list[_Scheduled], positions: list[int]) -> BatchLayout:
+        dev = self.device
+        bs = self.block_size
+        write_blocks: list[int] = []
+        decode_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillSpan] = []
+        row = 0
+        for item in scheduled:
+            table = self.sequences[item.request_id].block_ids
+            n = len(item.token_ids)
+            write_blocks += [table[p // bs] for p in positions[row : row + n]]
+            context = item.start + n
+            used = table[: -(-context // bs)]
+            if n == 1:
+                decode_rows.append(row)
+                decode_tables.append(used)
+                decode_lens.append(context)
+            elif item.start == 0:
+                prefills.append(PrefillSpan(row, row + n, None, None))
+            else:
+                query_pos = torch.arange(item.start, context, device=dev).unsqueeze(1)
+                mask = torch.arange(len(used) * bs, device=dev).unsqueeze(0) <= query_pos
+                prefills.append(PrefillSpan(row, row + n, torch.tensor([used], device=dev), mask))
+            row += n
+        width = max((len(t) for t in decode_tables), default=0)
+        decode_blocks = torch.tensor(
+            [t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long, device=dev
+        ).view(len(decode_tables), width)
+        lens = torch.tensor(decode_lens, dtype=torch.long, device=dev).view(-1, 1)
+        decode_mask = (torch.arange(width * bs, device=dev).unsqueeze(0) < lens).view(
+            len(decode_lens), 1, 1, width * bs
+        )
+        return BatchLayout(
+            write_blocks=torch.tensor(write_blocks, dtype=torch.long, device=dev),
+            write_offsets=torch.tensor(positions, dtype=torch.long, device=dev) % bs,
+            decode_rows=torch.tensor(decode_rows, dtype=torch.long, device=dev),
+            decode_blocks=decode_blocks,
+            decode_mask=decode_mask,
+            prefills=tuple(prefills),
+        )

@@ -1,0 +1,155 @@
+"""A paged KV cache addressed by the scheduler's block tables, plugged into transformers models through
+the attention-function registry (``AttentionInterface``).
+
+One forward pass computes every scheduled token of every request as one flat sequence
+``[1, T]``: prefill chunks and decodes together, each token at its own position. The model runs with
+no transformers cache (``use_cache=False``); RoPE is applied from ``position_ids``, and the attention
+function registered here does the rest for each layer:
+
+1. write this step's keys and values into their blocks, at ``(position // block_size, position %
+   block_size)`` through each request's block table;
+2. decodes (one new token each) attend to their whole context in one batched SDPA call, gathered
+   through the block tables and padded to the longest, with a mask;
+3. each prefill chunk attends causally to its own context: straight to its fresh keys when the chunk
+   starts at position 0 (nothing to read back), else to the keys read back through its block table
+   (a prefix-cache hit or an earlier chunk).
+
+A prefill chunk that starts at position 0 needs no mask (SDPA's ``is_causal``) and reads nothing back.
+
+transformers skips its own mask construction for an attention implementation it has no mask function
+for, so the model's ``attention_mask`` argument is ``None`` here and this module owns all masking. This
+relies on the ``AttentionInterface`` call contract of transformers 5.23 (``module, query, key, value,
+attention_mask, scaling=..., **kwargs`` with query ``[B, H, T, D]`` and a ``[B, T, H, D]`` result),
+which is why pyproject pins that version.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+ATTN_IMPLEMENTATION = "trioserve_paged"
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSpan:
+    """A chunk of ``end - start`` query tokens in the flat batch for one request."""
+
+    start: int  # first query row in the flat batch
+    end: int
+    blocks: torch.Tensor | None  # [1, n] block table of the context; None: only this chunk (from 0)
+    mask: torch.Tensor | None  # [chunk, n * block_size] bool, True where a query may attend
+
+
+@dataclass(frozen=True, slots=True)
+class BatchLayout:
+    """Where every token of one forward pass goes and what each one attends to."""
+
+    write_blocks: torch.Tensor  # [T] block of each token computed this step
+    write_offsets: torch.Tensor  # [T] its offset in that block
+    decode_rows: torch.Tensor  # [B] flat rows of the decode tokens
+    decode_blocks: torch.Tensor  # [B, n] block tables of the decodes, padded with block 0
+    decode_mask: torch.Tensor  # [B, 1, 1, n * block_size] bool, True on each context's positions
+    prefills: tuple[PrefillSpan, ...]
+
+
+class PagedKVCache:
+    """Per-layer keys and values, ``[num_blocks, kv_heads, block_size, head_dim]`` each.
+
+    Heads before positions inside a block, so that reading a context back is one ``index_select`` of
+    whole blocks (contiguous copies, several times faster on the CPU than gathering slot by slot)
+    followed by one copy into the ``[batch, heads, positions, dim]`` layout SDPA wants.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.block_size = block_size
+        shape = (num_blocks, num_kv_heads, block_size, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+
+def gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """``[B, n]`` block tables -> ``[B, kv_heads, n * block_size, dim]`` keys or values."""
+    batch, n = blocks.shape
+    _, heads, size, dim = cache.shape
+    picked = cache.index_select(0, blocks.reshape(-1)).view(batch, n, heads, size, dim)
+    return picked.transpose(1, 2).reshape(batch, heads, n * size, dim)
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    trioserve_layout: BatchLayout | None = None,
+    trioserve_cache: PagedKVCache | None = None,
+    **_: Any,
+) -> tuple[torch.Tensor, None]:
+    if trioserve_layout is None or trioserve_cache is None:
+        raise RuntimeError("paged attention needs a batch layout: run the model through ModelRunner")
+    layout, cache = trioserve_layout, trioserve_cache
+    layer: int = module.layer_idx  # type: ignore[assignment]
+    key_cache, value_cache = cache.keys[layer], cache.values[layer]
+    # [1, H, T, D] -> [T, H, D]: the flat batch, one row per token.
+    q = query[0].transpose(0, 1)
+    k = key[0].transpose(0, 1)
+    v = value[0].transpose(0, 1)
+    key_cache[layout.write_blocks, :, layout.write_offsets] = k
+    value_cache[layout.write_blocks, :, layout.write_offsets] = v
+
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    out = torch.empty_like(q)
+    if layout.decode_rows.numel():
+        out[layout.decode_rows] = _decode_attention(
+            q[layout.decode_rows], key_cache, value_cache, layout, num_kv_heads, scaling
+        )
+    gqa = num_heads != num_kv_heads
+    for span in layout.prefills:
+        qs = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        if span.blocks is None:
+            ks = k[span.start : span.end].transpose(0, 1).unsqueeze(0)
+            vs = v[span.start : span.end].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scaling, enable_gqa=gqa)
+        else:
+            ks, vs = gather(key_cache, span.blocks), gather(value_cache, span.blocks)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask, scale=scaling, enable_gqa=gqa)
+        out[span.start : span.end] = o[0].transpose(0, 1)
+    return out.unsqueeze(0), None
+
+
+def _decode_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    layout: BatchLayout,
+    num_kv_heads: int,
+    scaling: float | None,
+) -> torch.Tensor:
+    """One query token per request. Grouped-query heads are folded into the query axis: query head
+    ``h`` reads kv head ``h // group`` (transformers' ``repeat_kv`` order), so ``[B, H, D]`` viewed as
+    ``[B, Hkv, group, D]`` attends to ``[B, Hkv, L, D]`` with no copy of the keys per head."""
+    batch, num_heads, dim = q.shape
+    group = num_heads // num_kv_heads
+    qd = q.view(batch, num_kv_heads, group, dim)
+    kd = gather(key_cache, layout.decode_blocks)
+    vd = gather(value_cache, layout.decode_blocks)
+    o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=layout.decode_mask, scale=scaling)
+    return o.reshape(batch, num_heads, dim)
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)

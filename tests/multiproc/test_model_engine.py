@@ -1,0 +1,209 @@
+"""``serve --engine model``: API server → engine core → worker process over shared memory, on a tiny
+random Llama (hidden 64, 2 layers) with the Qwen3 tokenizer.
+
+Checks the whole path against transformers' ``generate()``, the process tree, and what a client sees
+when the worker dies or hangs; and that a clean shutdown (the module server's teardown) leaves no
+process and no shared-memory segment.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import trio
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from trioserve.frontend.tokenizer import load_tokenizer
+
+from ._support import RawHttp, post, proc_children, proc_title, request_json, sse_chunks, summarize
+from .conftest import ServerProcess
+
+TIMEOUT = 60
+
+
+def workers_of(server: ServerProcess) -> list[int]:
+    return [pid for pid in proc_children(server.engine_pid) if proc_title(pid) == "trioserve::Worker"]
+
+
+def proc_gone(pid: int) -> bool:
+    """Exited: no /proc entry, or a zombie its parent has not reaped yet."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def shm_segments() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if name.startswith("trioserve_")}
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tokenizer = load_tokenizer(None)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.hf_tokenizer.save_pretrained(folder)
+    return folder
+
+
+def start_model_server(model: Path, log_dir: Path, name: str, *flags: str) -> ServerProcess:
+    server = ServerProcess(
+        name,
+        ["--engine", "model", str(model), "--kv-cache-gib", "0.05", "--shutdown-timeout", "1", *flags],
+        log_dir / f"{name}.log",
+    )
+    server.start()
+    return server
+
+
+@pytest.fixture(scope="module")
+def model_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """Its teardown checks that SIGTERM leaves no process and no shared-memory segment behind."""
+    before = shm_segments()
+    server = start_model_server(tiny_model, tmp_path_factory.mktemp("logs"), "model_server")
+    try:
+        server.wait_ready(TIMEOUT)
+        (worker,) = workers_of(server)
+        created = shm_segments() - before
+        assert len(created) == 2, created  # the step ring and the result ring
+        yield server
+    finally:
+        server.stop()
+    assert server.proc is not None
+    assert server.proc.returncode == 0
+    assert not server.problems, server.problems
+    assert proc_gone(worker)
+    assert shm_segments() & created == set()
+
+
+async def stream(server: ServerProcess, body: dict[str, Any]) -> list[dict[str, Any]]:
+    async with await RawHttp.connect(server.host, server.port) as conn:
+        await conn.send(post("/v1/completions", {**body, "stream": True, "return_token_ids": True}))
+        response = await conn.read_response()
+    assert response.status == 200, response.body
+    return sse_chunks(response.body)
+
+
+def generate_greedy(model_dir: Path, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    model = LlamaForCausalLM.from_pretrained(model_dir).eval()
+    model.generation_config.eos_token_id = None
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+        )
+    return list(out[0, len(prompt_ids) :].tolist())
+
+
+async def test_greedy_streams_match_generate_and_the_tree_has_a_worker(
+    model_server: ServerProcess, tiny_model: Path
+) -> None:
+    prompts = ["The capital of France is", "one two three four five six seven eight", "hi"]
+    tokenizer = load_tokenizer(str(tiny_model))
+    with trio.fail_after(TIMEOUT):
+        results: dict[str, list[int]] = {}
+
+        async def one(text: str) -> None:
+            chunks = await stream(
+                model_server, {"prompt": text, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+            )
+            results[text] = summarize(chunks).token_ids[0]
+
+        async with trio.open_nursery() as nursery:  # concurrently: batched in the engine
+            for text in prompts:
+                nursery.start_soon(one, text)
+    for text in prompts:
+        assert results[text] == generate_greedy(tiny_model, tokenizer.encode(text), 12), text
+
+    titles = [proc_title(pid) for pid in proc_children(model_server.engine_pid)]
+    # The other child is multiprocessing's resource tracker: it unlinks the rings if the engine core
+    # is killed before it can.
+    assert [t for t in titles if t.startswith("trioserve::")] == ["trioserve::Worker"], titles
+
+
+async def test_same_seed_same_text(model_server: ServerProcess) -> None:
+    body = {
+        "prompt": "Once upon a time",
+        "max_tokens": 10,
+        "temperature": 1.0,
+        "seed": 42,
+        "ignore_eos": True,
+    }
+    with trio.fail_after(TIMEOUT):
+        first = summarize(await stream(model_server, body)).token_ids[0]
+        second = summarize(await stream(model_server, body)).token_ids[0]
+    assert first == second
+    assert len(first) == 10
+
+
+async def test_a_worker_that_dies_fails_its_requests_and_cleanup_is_complete(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    before = shm_segments()
+    server = start_model_server(tiny_model, tmp_path_factory.mktemp("logs"), "dying_worker")
+    try:
+        await trio.to_thread.run_sync(server.wait_ready, TIMEOUT)
+        created = shm_segments() - before
+        (worker,) = workers_of(server)
+        with trio.fail_after(TIMEOUT):
+            async with await RawHttp.connect(server.host, server.port) as conn:
+                body = {"prompt": "x", "max_tokens": 400, "ignore_eos": True, "stream": True}
+                await conn.send(post("/v1/completions", body))
+                head = await conn.read_head()
+                assert head.status == 200
+                await conn.read_chunk()  # the stream is running
+                os.kill(worker, signal.SIGKILL)
+                rest = await conn.read_body(head)
+        payloads = rest.body.decode()
+        assert "worker 0 died (killed by signal 9)" in payloads
+        assert payloads.rstrip().endswith("data: [DONE]")
+        status, health = await request_json(server.host, server.port, "GET", "/health")
+        assert status == 503
+        assert "worker 0 died" in health["error"]["message"]
+        # The engine core reported it and exited; its rings are gone with it.
+        assert await trio.to_thread.run_sync(server.wait_engine_gone, TIMEOUT)
+        assert shm_segments() & created == set()
+    finally:
+        server.stop()
+
+
+async def test_a_hung_worker_fails_the_step_after_the_timeout(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    server = start_model_server(
+        tiny_model, tmp_path_factory.mktemp("logs"), "hung_worker", "--worker-step-timeout", "1"
+    )
+    try:
+        await trio.to_thread.run_sync(server.wait_ready, TIMEOUT)
+        (worker,) = workers_of(server)
+        os.kill(worker, signal.SIGSTOP)
+        with trio.fail_after(TIMEOUT):
+            status, body = await request_json(
+                server.host, server.port, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 4}
+            )
+        assert status == 503, body
+        assert "took more than 1 s" in body["error"]["message"]
+        assert await trio.to_thread.run_sync(server.wait_engine_gone, TIMEOUT)
+        assert proc_gone(worker)  # the engine core killed its stopped worker on the way out
+    finally:
+        server.stop()
