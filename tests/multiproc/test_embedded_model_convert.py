@@ -68,6 +68,7 @@ def test_tokenizer_loads_offline_with_template_and_eos(converted: tuple[Path, li
     folder, _ = converted
     tokenizer = load_tokenizer(str(folder))  # AutoTokenizer, local files only
     assert tokenizer.eos_token_id == IM_END
+    assert tokenizer.extra_eos_ids == (ENDOFTEXT,)  # from generation_config.json: stops requests too
     backend = BackendTokenizer.from_file(str(folder / "tokenizer.json"))
     assert backend.token_to_id("<|im_start|>") == 1 and backend.token_to_id("<|im_end|>") == IM_END
     # SmolLM splits digits one by one, whitespace before them included.

@@ -177,6 +177,9 @@ class Serving:
         options, params, prompt_ids = response.options, response.params, response.prompt_token_ids
         assert params is not None
         eos = self.tokenizer.eos_token_id
+        extra_eos = self.tokenizer.extra_eos_ids
+        if extra_eos and not params.ignore_eos:
+            params = msgspec.structs.replace(params, stop_token_ids=[*params.stop_token_ids, *extra_eos])
         for i, request_id in enumerate(response.request_ids):
             stop = (
                 StopStringMatcher(options.stop, options.include_stop_str_in_output) if options.stop else None

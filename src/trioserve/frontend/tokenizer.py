@@ -90,7 +90,16 @@ _RESERVED_TEMPLATE_KWARGS: Final = frozenset(
 class Tokenizer:
     """The engine's view of a fast (Rust-backed) Hugging Face tokenizer."""
 
-    __slots__ = ("_backend", "_byte_tables", "_eos_token_id", "_fast_encode", "_hf", "_name", "_vocab_size")
+    __slots__ = (
+        "_backend",
+        "_byte_tables",
+        "_eos_token_id",
+        "_fast_encode",
+        "_hf",
+        "_name",
+        "_vocab_size",
+        "extra_eos_ids",
+    )
 
     def __init__(
         self, hf: PreTrainedTokenizerFast, name: str, fast_encode: Callable[[str], list[int]] | None = None
@@ -102,6 +111,9 @@ class Tokenizer:
         self._name = name
         eos = hf.eos_token_id
         self._eos_token_id: int | None = eos if isinstance(eos, int) else None
+        # More ids that end generation, from the model's generation_config.json (vLLM adds them to
+        # each request's stop ids unless it ignores EOS): SmolLM2 lists <|endoftext|> beside <|im_end|>.
+        self.extra_eos_ids: tuple[int, ...] = ()
         self._vocab_size: int = self._backend.get_vocab_size(with_added_tokens=True)
         # Byte-level BPE tokenizers get the table-driven detokenizer (built once, ~1 s for Qwen3).
         self._byte_tables = ByteLevelTables.build(self._backend)
@@ -188,7 +200,19 @@ def load_tokenizer(path: str | None) -> Tokenizer:
     if path is None:
         folder = _ensure_qwen3_folder()
         return Tokenizer(_load_folder(str(folder)), name="qwen3", fast_encode=_qwen3_tiktoken_encode())
-    return Tokenizer(_load_folder(path), name=path)
+    tokenizer = Tokenizer(_load_folder(path), name=path)
+    tokenizer.extra_eos_ids = _generation_eos_ids(Path(path), tokenizer.eos_token_id)
+    return tokenizer
+
+
+def _generation_eos_ids(folder: Path, eos: int | None) -> tuple[int, ...]:
+    try:
+        config = json.loads((folder / "generation_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return ()
+    ids = config.get("eos_token_id") if isinstance(config, dict) else None
+    ids = [ids] if isinstance(ids, int) else ids if isinstance(ids, list) else []
+    return tuple(i for i in ids if isinstance(i, int) and i != eos)
 
 
 def _load_folder(path: str) -> PreTrainedTokenizerFast:
