@@ -1,32 +1,51 @@
-"""Closed-loop load generator for streamed OpenAI chat completions.
+"""Closed-loop load generator for streamed OpenAI chat and text completions (SSE or WebSocket).
 
-Each of N clients keeps one HTTP/1.1 keep-alive connection, POSTs a streaming chat request, reads the SSE
-stream to ``data: [DONE]`` and the end of the chunked body, and sends the next request at once. The HTTP
-side is deliberately minimal so that the client is never the bottleneck: non-blocking stdlib sockets driven
-by ``trio.lowlevel.wait_readable`` (one wakeup and one ``recv`` per arrival, no stream wrappers), a
-hand-written status-line / header / chunked / SSE reader, and one ``msgspec`` decode per event into a
-struct that only keeps ``choices[].token_ids`` and ``choices[].delta.content``.
+Each of N clients (``--max-concurrency``) keeps one keep-alive connection, sends a streaming request,
+reads the stream to its end (``data: [DONE]`` and the end of the chunked body over SSE, the ``done``
+message over ``/v1/ws``), and sends the next request at once. The I/O side is deliberately minimal so that
+the client is never the bottleneck: non-blocking stdlib sockets driven by ``trio.lowlevel.wait_readable``
+(by default one ``epoll`` set for all of them), a hand-written status-line / header / chunked / SSE /
+WebSocket-frame reader, and one ``msgspec`` decode per event into a struct that only keeps
+``choices[].token_ids`` and the text.
 
-A request refused with 429 or 503 (admission control) is counted as *rejected*, not as a failure, and that
-client waits the response's ``Retry-After`` seconds (1 s if absent, at most ``--max-backoff``) before its
-next request, as a real client backs off.
+Requests ask for ``return_token_ids``, so every event's token count is exact (tokens per event). Per
+request it records TTFT, every inter-token gap (ITL) and its event count; failures are refused
+connections (``connect``), HTTP errors (``http NNN``), truncated streams and stream error events. A request
+refused with 429 or 503 (admission control) is counted as *rejected*, not as a failure, and that client
+waits the response's ``Retry-After`` seconds (1 s if absent, at most ``--max-backoff``) before its next
+request, as a real client backs off.
 
-It measures over a steady-state window: client-side token and SSE-event counts, tokens per event, TTFT of
-the requests sent inside the window, rejections, failures, and the CPU time (``utime + stime`` from
-``/proc/PID/stat``) of any processes named with ``--watch NAME=PID`` plus its own.
-The result is written as JSON.
+Two ways to run:
 
-Run standalone::
+- ``--num-prompts N`` (vllm-bench's shape): send exactly N requests, then stop. Throughput is counted over
+  the steady-state window: from the first to the last 0.1 s sample at which at least 95% of the target
+  concurrency was in flight. TTFT, TPOT and ITL are over the requests sent inside that window.
+- otherwise (``--duration``): after ``--warmup`` and once 95% of the clients are in flight, measure a
+  window of ``--duration`` seconds.
 
-    python bench/sse_loadgen.py --port 8000 --clients 256 --output-len 256 --watch server=1234
+Prompts are either exact token counts made with the configured tokenizer (``--random-input-len``,
+``--random-output-len``, ``--random-range-ratio``, ``--tokenizer``; default the built-in Qwen3 tokenizer
+that ``trioserve`` caches) or ``--input-words`` random words. ``--request-rate R`` spreads the first
+connections at R per second; the concurrency cap does the rest.
+
+CPU time (``utime + stime`` from ``/proc/PID/stat``) of processes named with ``--watch NAME=PID`` and of
+the load generator itself is measured over the same window. The result is written as JSON
+(``LoadResult``); ``--save-detailed PATH`` also writes every request (TTFT, ITL gaps, tokens, events).
+
+    python bench/sse_loadgen.py --port 8000 --max-concurrency 256 --num-prompts 1536 \
+        --random-input-len 256 --random-output-len 256 --request-rate 400 --watch server=1234
+    python bench/sse_loadgen.py --port 8000 --clients 256 --duration 10 --transport ws --endpoint completions
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import email.utils
 import errno
+import hashlib
+import json
 import math
 import os
 import random
@@ -36,7 +55,11 @@ import select
 import socket
 import sys
 import time
+import urllib.request
+from array import array
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import msgspec
 import trio
@@ -86,7 +109,8 @@ class _Delta(msgspec.Struct):
 
 
 class _Choice(msgspec.Struct):
-    delta: _Delta | None = None
+    delta: _Delta | None = None  # chat
+    text: str | None = None  # completions
     token_ids: list[int] | None = None
 
 
@@ -96,6 +120,19 @@ class _Chunk(msgspec.Struct):
 
 
 _decode_chunk = msgspec.json.Decoder(_Chunk).decode
+
+
+class _WsMessage(msgspec.Struct):
+    """A server message on ``/v1/ws`` (docs/websocket.md); ``data`` of a chunk is an SSE payload."""
+
+    type: str
+    id: str | None = None
+    data: _Chunk | None = None
+    status: int = 0
+    error: object = None
+
+
+_decode_ws = msgspec.json.Decoder(_WsMessage).decode
 
 HIST_MAX = 64  # tokens-per-event histogram buckets; the last one means ">= HIST_MAX"
 REJECT_STATUSES = (429, 503)  # admission refusals: counted as rejected, the client backs off
@@ -174,9 +211,12 @@ class ResponseParser:
         "done_seen",
         "error",
         "error_body",
+        "events",
         "first_token_at",
+        "itl",
         "keep_alive",
         "last_token_at",
+        "pong",
         "retry_after",
         "status",
         "tokens",
@@ -197,8 +237,11 @@ class ResponseParser:
         self.error: str | None = None
         self.error_body = bytearray()
         self.tokens = 0
+        self.events = 0  # events that carried at least one token
+        self.itl: list[float] = []  # seconds between consecutive token-carrying events
         self.first_token_at = 0.0
         self.last_token_at = 0.0
+        self.pong = b""  # WebSocket only: frames the connection owes the server (pongs)
 
     # -- framing ------------------------------------------------------------------------------------
 
@@ -422,33 +465,173 @@ class ResponseParser:
             self.error = "stream error event"
             if not self.error_body:
                 self.error_body += payload[:400]
+        self._count(chunk, now)
+
+    def _count(self, chunk: _Chunk, now: float) -> None:
+        counters = self.counters
         n = 0
         for choice in chunk.choices:
             ids = choice.token_ids
             if ids is not None:
                 n += len(ids)
-            elif choice.delta is not None and choice.delta.content:
+            elif (choice.delta is not None and choice.delta.content) or choice.text:
                 n += 1
                 counters.no_token_ids += 1
         if n:
             counters.tokens += n
             counters.token_events += 1
             counters.hist[n if n < HIST_MAX else HIST_MAX] += 1
-            if not self.tokens:
+            if self.tokens:
+                self.itl.append(now - self.last_token_at)
+            else:
                 self.first_token_at = now
             self.last_token_at = now
             self.tokens += n
+            self.events += 1
+
+
+_WS_GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+
+
+def ws_frame(opcode: int, payload: bytes) -> bytes:
+    """One final client frame. Clients must mask; the all-zero key leaves the payload as it is, so no
+    per-byte XOR is needed (RFC 6455 lets servers reject nothing on the key's value)."""
+    n = len(payload)
+    if n < 126:
+        head = bytes((0x80 | opcode, 0x80 | n))
+    elif n < 65536:
+        head = bytes((0x80 | opcode, 0x80 | 126)) + n.to_bytes(2, "big")
+    else:
+        head = bytes((0x80 | opcode, 0x80 | 127)) + n.to_bytes(8, "big")
+    return head + b"\0\0\0\0" + payload
+
+
+def ws_accept_key(key: bytes) -> bytes:
+    """The ``Sec-WebSocket-Accept`` value a server must answer ``Sec-WebSocket-Key: key`` with."""
+    return base64.b64encode(hashlib.sha1(key + _WS_GUID).digest())
+
+
+class WsResponseParser(ResponseParser):
+    """One request's messages on an open ``/v1/ws`` socket: server frames (unmasked, possibly
+    fragmented), each text message one JSON object (``chunk``, ``done``, ``response``, ``error``).
+    The same counters, TTFT, ITL and error fields as the SSE reader."""
+
+    __slots__ = ("_frag",)
+
+    def __init__(self, counters: Counters) -> None:
+        super().__init__(counters)
+        self._frag: bytearray | None = None
+        self.status = 200  # the socket is open; an ``error`` message sets the request's status
+
+    def feed(self, data: bytes, now: float) -> None:
+        buf = self._buf
+        buf += data
+        pos = 0
+        end = len(buf)
+        while end - pos >= 2 and not self.complete:
+            b0 = buf[pos]
+            b1 = buf[pos + 1]
+            size = b1 & 0x7F
+            head = 2
+            if size == 126:
+                if end - pos < 4:
+                    break
+                size = int.from_bytes(buf[pos + 2 : pos + 4], "big")
+                head = 4
+            elif size == 127:
+                if end - pos < 10:
+                    break
+                size = int.from_bytes(buf[pos + 2 : pos + 10], "big")
+                head = 10
+            mask = b""
+            if b1 & 0x80:  # servers must not mask; tolerate it anyway
+                if end - pos < head + 4:
+                    break
+                mask = bytes(buf[pos + head : pos + head + 4])
+                head += 4
+            if end - pos < head + size:
+                break
+            payload = bytes(buf[pos + head : pos + head + size])
+            pos += head + size
+            if mask:
+                key = int.from_bytes((mask * (size // 4 + 1))[:size], "big")
+                payload = (int.from_bytes(payload, "big") ^ key).to_bytes(size, "big")
+            opcode = b0 & 0x0F
+            fin = b0 & 0x80
+            if opcode in (0x1, 0x2):
+                if fin:
+                    self._message(payload, now)
+                else:
+                    self._frag = bytearray(payload)
+            elif opcode == 0x0:
+                if self._frag is None:
+                    self._fail("bad websocket framing")
+                    break
+                self._frag += payload
+                if fin:
+                    whole = bytes(self._frag)
+                    self._frag = None
+                    self._message(whole, now)
+            elif opcode == 0x8:
+                self._fail("websocket closed")
+            elif opcode == 0x9:
+                self.pong += ws_frame(0xA, payload)
+            # 0xA (pong) and unknown opcodes: ignored
+        del buf[:pos]
+
+    def eof(self, now: float) -> None:
+        if not self.complete:
+            self._fail("truncated stream")
+        self.keep_alive = False
+
+    def _message(self, payload: bytes, now: float) -> None:
+        counters = self.counters
+        try:
+            msg = _decode_ws(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            counters.sse_events += 1
+            counters.bad_events += 1
+            return
+        kind = msg.type
+        if kind == "chunk":
+            counters.sse_events += 1
+            chunk = msg.data
+            if chunk is None:
+                counters.bad_events += 1
+                return
+            if chunk.error is not None and self.error is None:
+                self.error = "stream error event"
+                if not self.error_body:
+                    self.error_body += payload[:400]
+            self._count(chunk, now)
+        elif kind in ("done", "response"):
+            self.done_seen = True
+            self._state = _COMPLETE
+            self.complete = True
+        elif kind == "error":
+            self.status = msg.status or 500
+            if self.error is None:
+                self.error = f"http {self.status}"
+            self.error_body += msgspec.json.encode(msg.error)[:400]
+            self._state = _COMPLETE
+            self.complete = True
 
 
 # ----------------------------------------------------------------------------------------- the load
 
 
-class RequestRecord(msgspec.Struct, array_like=True):
+@dataclass(slots=True)
+class RequestRecord:
+    """One finished (or failed) request. Times are ``time.perf_counter()`` seconds."""
+
     sent_at: float
     ttft: float  # seconds; nan if no token arrived
     ended_at: float
     tokens: int
     error: str | None
+    prompt: int = -1  # index into LoadGen.prompts
+    events: int = 0  # token-carrying events
+    itl: array[float] = field(default_factory=lambda: array("d"))  # seconds between those events
 
 
 class LoadResult(msgspec.Struct):
@@ -488,6 +671,29 @@ class LoadResult(msgspec.Struct):
     rejected_window: dict[str, int] = {}
     rejected_total: dict[str, int] = {}
     rejected_samples: list[str] = []  # up to 8 distinct refusal bodies (digits ignored when comparing)
+    # Added with --num-prompts, WebSocket and completions support (None: no samples; a nan would be
+    # written as null, which does not decode back into a float).
+    mode: str = "duration"  # "duration": fixed window after warm-up; "num-prompts": steady-state window
+    transport: str = "sse"
+    endpoint: str = "chat"
+    num_prompts: int = 0  # requests the run was to send (0: unbounded, duration mode)
+    requests_sent: int = 0  # over the whole run
+    requests_ok: int = 0  # over the whole run: completed without error
+    run_s: float = 0.0  # first connection to the end of the run
+    inflight_target: int = 0  # 95% of clients: the steady-state threshold
+    steady_state: bool = True  # False: the target was never reached (window = >= 95% of the peak)
+    window_start_unix: float = 0.0  # the window in wall-clock time, to match server-side samples
+    window_end_unix: float = 0.0
+    ttft_mean_ms: float | None = None
+    itl_samples: int = 0
+    itl_p50_ms: float | None = None
+    itl_p90_ms: float | None = None
+    itl_p99_ms: float | None = None
+    tpot_samples: int = 0
+    input_tokens_mean: float | None = None  # prompt tokens per request (tokenizer mode), as generated
+    output_len_mean: float | None = None  # max_tokens per request
+    ignore_eos: bool = True
+    client_cpu_total_s: float = 0.0  # load generator CPU over the whole run
 
 
 class _Conn:
@@ -503,6 +709,90 @@ class _Conn:
         self.parser: ResponseParser | None = None
         self.sent_at = 0.0
         self.resume_at = 0.0  # perf_counter time a backing-off client may send again
+
+
+@dataclass(slots=True)
+class Prompt:
+    text: str
+    output_len: int  # max_tokens
+    input_tokens: int = -1  # -1: not tokenized (word prompts)
+
+
+def sample_lengths(rng: random.Random, mean: int, range_ratio: float) -> int:
+    """vllm-bench's random lengths: uniform in [mean * (1 - r), mean * (1 + r)], at least 1."""
+    if range_ratio <= 0:
+        return max(1, mean)
+    lo = max(1, math.floor(mean * (1 - range_ratio)))
+    hi = max(lo, math.ceil(mean * (1 + range_ratio)))
+    return rng.randint(lo, hi)
+
+
+def word_prompts(
+    n: int, input_words: int, output_len: int, range_ratio: float = 0.0, seed: int = 0
+) -> list[Prompt]:
+    """The original prompt shape: ``client i:`` and ``input_words`` random lowercase words."""
+    rng = random.Random(seed)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    words = ["".join(rng.choice(letters) for _ in range(rng.randint(2, 9))) for _ in range(512)]
+    return [
+        Prompt(
+            f"client {i}: " + " ".join(rng.choice(words) for _ in range(input_words)),
+            sample_lengths(rng, output_len, range_ratio),
+        )
+        for i in range(n)
+    ]
+
+
+def default_tokenizer_path() -> Path:
+    """The built-in Qwen3 tokenizer that ``trioserve`` caches (built on first use, a few seconds)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    folder = Path(base) / "trioserve" / "tokenizers" / "qwen3"
+    if not (folder / "tokenizer.json").exists():
+        from trioserve.frontend.tokenizer import load_tokenizer  # slow import; only to build the cache
+
+        load_tokenizer(None)
+    return folder
+
+
+def token_prompts(
+    n: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float,
+    tokenizer_path: str | None,
+    seed: int = 0,
+) -> list[Prompt]:
+    """Prompts of an exact token count (vllm-bench's random dataset, up to the chat template).
+
+    Each prompt is a run of vocabulary entries of the form `` word`` (space, 2-10 ASCII letters) that
+    encode back to exactly one token, so concatenating k of them encodes to exactly k tokens (the
+    pre-tokenizer splits at each space). Input lengths are checked by encoding every prompt.
+    """
+    from tokenizers import Tokenizer  # the Rust tokenizer only: 1-2 s, not transformers' 10+
+
+    path = Path(tokenizer_path) if tokenizer_path else default_tokenizer_path()
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    tok = Tokenizer.from_file(str(path))
+    rng = random.Random(seed)
+    word = re.compile(r"^ [A-Za-z]{2,10}$")
+    pool: list[str] = []
+    vocab = tok.get_vocab_size(with_added_tokens=False)
+    for i in rng.sample(range(vocab), min(vocab, 20000)):
+        text = tok.decode([i])
+        if word.match(text) and tok.encode(text, add_special_tokens=False).ids == [i]:
+            pool.append(text)
+    if len(pool) < 100:
+        raise RuntimeError(f"{path}: too few single-token words to build random prompts")
+    out: list[Prompt] = []
+    for _ in range(n):
+        k = sample_lengths(rng, input_len, range_ratio)
+        text = "".join(rng.choice(pool) for _ in range(k))
+        out.append(Prompt(text, sample_lengths(rng, output_len, range_ratio), k))
+    counts = tok.encode_batch([p.text for p in out], add_special_tokens=False)
+    for p, enc in zip(out, counts, strict=True):
+        p.input_tokens = len(enc.ids)
+    return out
 
 
 class LoadGen:
@@ -523,16 +813,36 @@ class LoadGen:
         clients: int,
         model: str,
         output_len: int,
-        input_words: int,
+        input_words: int = 200,
         io: str = "epoll",
         seed: int = 0,
         max_backoff_s: float = MAX_BACKOFF_S,
+        prompts: list[Prompt] | None = None,
+        num_prompts: int | None = None,
+        endpoint: str = "chat",
+        transport: str = "sse",
+        ignore_eos: bool = True,
+        ws_path: str = "/v1/ws",
     ) -> None:
+        if endpoint not in ("chat", "completions"):
+            raise ValueError(f"endpoint {endpoint!r}: chat or completions")
+        if transport not in ("sse", "ws"):
+            raise ValueError(f"transport {transport!r}: sse or ws")
         self.host = host
         self.port = port
         self.clients = clients
         self.output_len = output_len
         self.io = io
+        self.endpoint = endpoint
+        self.transport = transport
+        self.ignore_eos = ignore_eos
+        self.ws_path = ws_path
+        self.num_prompts = num_prompts  # None: unbounded (duration mode)
+        self.sent = 0  # requests started (each takes the next prompt)
+        self.stopped_clients = 0  # clients done because every prompt was sent
+        self.all_done = trio.Event()
+        self.connect_failures = 0
+        self.t_start = math.nan  # perf_counter time of run()
         self.counters = Counters()
         self.inflight = 0
         self.inflight_target = math.ceil(0.95 * clients)
@@ -549,31 +859,45 @@ class LoadGen:
         # Per client: the request in flight and when it was sent (nan when none).
         self.current: list[ResponseParser | None] = [None] * clients
         self.current_sent_at: list[float] = [math.nan] * clients
+        self.current_prompt: list[int] = [-1] * clients
         self._epoll: select.epoll | None = None
         self._conns: dict[int, _Conn] = {}
         self._nursery: trio.Nursery | None = None
-        rng = random.Random(seed)
-        letters = "abcdefghijklmnopqrstuvwxyz"
-        words = ["".join(rng.choice(letters) for _ in range(rng.randint(2, 9))) for _ in range(512)]
-        self.requests: list[bytes] = []
-        for i in range(clients):
-            prompt = f"client {i}: " + " ".join(rng.choice(words) for _ in range(input_words))
-            body = msgspec.json.encode(
-                {
-                    "model": model,
-                    "messages": [{"role": "user", "content": prompt}],
-                    "stream": True,
-                    "max_tokens": output_len,
-                    "ignore_eos": True,
-                    "return_token_ids": True,
-                }
-            )
-            head = (
-                f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
-                f"Content-Type: application/json\r\nAccept: text/event-stream\r\n"
-                f"Content-Length: {len(body)}\r\n\r\n"
-            ).encode()
-            self.requests.append(head + body)
+        if prompts is None:
+            prompts = word_prompts(max(clients, num_prompts or 0), input_words, output_len, seed=seed)
+        if not prompts:
+            raise ValueError("no prompts")
+        self.prompts = prompts
+        # Pre-encoded: the whole HTTP request (SSE), or the request body (WebSocket: framed per send
+        # with a fresh id).
+        self.requests: list[bytes] = [self._encode(p, model, host, port) for p in prompts]
+
+    def _encode(self, prompt: Prompt, model: str, host: str, port: int) -> bytes:
+        body: dict[str, object] = {"model": model}
+        if self.endpoint == "chat":
+            body["messages"] = [{"role": "user", "content": prompt.text}]
+        else:
+            body["prompt"] = prompt.text
+        body.update(
+            stream=True, max_tokens=prompt.output_len, ignore_eos=self.ignore_eos, return_token_ids=True
+        )
+        data = msgspec.json.encode(body)
+        if self.transport == "ws":
+            return data
+        path = "/v1/chat/completions" if self.endpoint == "chat" else "/v1/completions"
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\n"
+            f"Content-Type: application/json\r\nAccept: text/event-stream\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n"
+        ).encode()
+        return head + data
+
+    def _request_bytes(self, k: int, p: int) -> bytes:
+        if self.transport == "sse":
+            return self.requests[p]
+        endpoint = b"chat.completions" if self.endpoint == "chat" else b"completions"
+        msg = b'{"type":"request","id":"%d","endpoint":"%s","body":%s}' % (k, endpoint, self.requests[p])
+        return ws_frame(0x1, msg)
 
     # -- bookkeeping shared by both I/O modes ------------------------------------------------------
 
@@ -582,14 +906,30 @@ class LoadGen:
         if detail and len(self.error_samples) < 8:
             self.error_samples.append(f"{kind}: {detail}"[:300])
 
-    def _begin(self, idx: int) -> tuple[ResponseParser, float]:
-        parser = ResponseParser(self.counters)
+    def _exhausted(self) -> bool:
+        return self.num_prompts is not None and self.sent >= self.num_prompts
+
+    def _begin(self, idx: int) -> tuple[ResponseParser, float, bytes] | None:
+        """Take the next prompt for client ``idx``: its parser, send time and request bytes; None when
+        every prompt has been sent (the client then stops)."""
+        if self._exhausted():
+            return None
+        k = self.sent
+        self.sent += 1
+        p = k % len(self.prompts)
+        parser = WsResponseParser(self.counters) if self.transport == "ws" else ResponseParser(self.counters)
         sent_at = time.perf_counter()
         self.current[idx] = parser
         self.current_sent_at[idx] = sent_at
+        self.current_prompt[idx] = p
         self.inflight += 1
         self._check_active()
-        return parser, sent_at
+        return parser, sent_at, self._request_bytes(k, p)
+
+    def _client_stopped(self) -> None:
+        self.stopped_clients += 1
+        if self.stopped_clients >= self.clients:
+            self.all_done.set()
 
     def _check_active(self) -> None:
         if self.inflight + self.backing_off >= self.inflight_target:
@@ -612,8 +952,10 @@ class LoadGen:
     def _end(self, idx: int, parser: ResponseParser, sent_at: float, io_error: str | None) -> bool:
         """Record a finished (or failed) request; returns whether the connection can be reused."""
         self.inflight -= 1
+        prompt = self.current_prompt[idx]
         self.current[idx] = None
         self.current_sent_at[idx] = math.nan
+        self.current_prompt[idx] = -1
         error = io_error
         if error is not None:
             pass  # counted by the caller
@@ -635,7 +977,18 @@ class LoadGen:
             error = "no tokens"
             self._fail(error)
         ttft = parser.first_token_at - sent_at if parser.tokens else math.nan
-        self.records.append(RequestRecord(sent_at, ttft, time.perf_counter(), parser.tokens, error))
+        self.records.append(
+            RequestRecord(
+                sent_at,
+                ttft,
+                time.perf_counter(),
+                parser.tokens,
+                error,
+                prompt,
+                parser.events,
+                array("d", parser.itl),
+            )
+        )
         if parser.tokens > 1 and error is None:
             self.tpot_sum += (parser.last_token_at - parser.first_token_at) / (parser.tokens - 1)
             self.tpot_n += 1
@@ -650,14 +1003,56 @@ class LoadGen:
             if err == errno.EINPROGRESS:
                 await trio.lowlevel.wait_writable(sock)
                 err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if not err and self.transport == "ws":
+                why = await self._ws_handshake(sock)
+                if why is not None:
+                    sock.close()
+                    self._fail("ws handshake", why)
+                    return None
         except BaseException:
             sock.close()
             raise
         if err:
             sock.close()
+            self.connect_failures += 1
             self._fail("connect", os.strerror(err))
             return None
         return sock
+
+    async def _ws_handshake(self, sock: socket.socket) -> str | None:
+        """Upgrade a fresh connection to a WebSocket; returns why it failed, or None."""
+        key = base64.b64encode(random.randbytes(16))
+        req = (
+            f"GET {self.ws_path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nUpgrade: websocket\r\n"
+            f"Connection: Upgrade\r\nSec-WebSocket-Key: {key.decode()}\r\nSec-WebSocket-Version: 13\r\n\r\n"
+        ).encode()
+        try:
+            await self._send_all(sock, req)
+            buf = b""
+            while b"\r\n\r\n" not in buf:
+                await trio.lowlevel.wait_readable(sock)
+                try:
+                    data = sock.recv(4096)
+                except BlockingIOError:
+                    continue
+                if not data:
+                    return "closed during the handshake"
+                buf += data
+        except OSError as e:
+            return str(e)
+        head, _, rest = buf.partition(b"\r\n\r\n")
+        lines = head.split(b"\r\n")
+        if lines[0].split(b" ")[1:2] != [b"101"]:
+            return lines[0].decode(errors="replace")
+        accept = ws_accept_key(key)
+        if not any(
+            ln.lower().startswith(b"sec-websocket-accept:") and ln.split(b":", 1)[1].strip() == accept
+            for ln in lines[1:]
+        ):
+            return "bad Sec-WebSocket-Accept"
+        if rest:
+            return "data after the handshake"
+        return None
 
     async def _connected(self, idx: int, delay: float) -> socket.socket:
         await trio.sleep(delay)
@@ -670,6 +1065,7 @@ class LoadGen:
     async def run(self, nursery: trio.Nursery, ramp_s: float) -> None:
         """Start every client (staggered over ``ramp_s``) in ``nursery``."""
         n = self.clients
+        self.t_start = time.perf_counter()
         if self.io == "tasks":
             for i in range(n):
                 nursery.start_soon(self._task_client, i, ramp_s * i / n)
@@ -696,13 +1092,18 @@ class LoadGen:
         sock: socket.socket | None = None
         try:
             while True:
+                if self._exhausted():
+                    break
                 if sock is None:
                     sock = await self._connected(idx, delay)
                     delay = 0.0
-                parser, sent_at = self._begin(idx)
+                begun = self._begin(idx)
+                if begun is None:
+                    break
+                parser, sent_at, request = begun
                 io_error: str | None = None
                 try:
-                    await self._send_all(sock, self.requests[idx])
+                    await self._send_all(sock, request)
                     while not parser.complete:
                         await trio.lowlevel.wait_readable(sock)
                         try:
@@ -713,6 +1114,9 @@ class LoadGen:
                             parser.feed(data, time.perf_counter())
                         else:
                             parser.eof(time.perf_counter())
+                        if parser.pong:
+                            pong, parser.pong = parser.pong, b""
+                            await self._send_all(sock, pong)
                 except OSError as e:
                     io_error = "send/recv error"
                     self._fail(io_error, str(e))
@@ -724,6 +1128,7 @@ class LoadGen:
                 backoff = self._backoff(parser)
                 if backoff > 0:
                     await self._sleep_backoff(backoff)
+            self._client_stopped()
         finally:
             if sock is not None:
                 sock.close()
@@ -733,6 +1138,9 @@ class LoadGen:
     async def _epoll_open(self, idx: int, delay: float, backoff: float = 0.0) -> None:
         if backoff > 0:
             await self._sleep_backoff(backoff)
+        if self._exhausted():
+            self._client_stopped()
+            return
         sock = await self._connected(idx, delay)
         assert self._epoll is not None
         conn = _Conn(idx, sock)
@@ -740,10 +1148,21 @@ class LoadGen:
         self._epoll.register(conn.fd, select.EPOLLIN)
         self._epoll_send(conn)
 
+    def _epoll_close(self, conn: _Conn) -> None:
+        assert self._epoll is not None
+        self._conns.pop(conn.fd, None)
+        with contextlib.suppress(OSError, ValueError):
+            self._epoll.unregister(conn.fd)
+        conn.sock.close()
+
     def _epoll_send(self, conn: _Conn) -> None:
-        """Start the next request on ``conn``."""
-        conn.parser, conn.sent_at = self._begin(conn.idx)
-        data = self.requests[conn.idx]
+        """Start the next request on ``conn`` (or close it and stop its client: no prompts left)."""
+        begun = self._begin(conn.idx)
+        if begun is None:
+            self._epoll_close(conn)
+            self._client_stopped()
+            return
+        conn.parser, conn.sent_at, data = begun
         try:
             n = conn.sock.send(data)
         except BlockingIOError:
@@ -773,11 +1192,8 @@ class LoadGen:
         if conn.parser is not None:
             self._end(conn.idx, conn.parser, conn.sent_at, io_error)
             conn.parser = None
-        assert self._epoll is not None and self._nursery is not None
-        self._conns.pop(conn.fd, None)
-        with contextlib.suppress(OSError, ValueError):
-            self._epoll.unregister(conn.fd)
-        conn.sock.close()
+        assert self._nursery is not None
+        self._epoll_close(conn)
         self._nursery.start_soon(self._epoll_open, conn.idx, 0.0, backoff)
 
     def _epoll_writable(self, conn: _Conn) -> None:
@@ -809,6 +1225,10 @@ class LoadGen:
             parser.feed(data, time.perf_counter())
         else:
             parser.eof(time.perf_counter())
+        if parser.pong:  # best effort: a pong the socket cannot take now is dropped
+            with contextlib.suppress(OSError):
+                conn.sock.send(parser.pong)
+            parser.pong = b""
         if parser.complete:
             conn.parser = None
             backoff = self._backoff(parser)
@@ -876,6 +1296,7 @@ async def run_load(
     n = gen.clients
     async with trio.open_nursery() as nursery:
         t_start = time.perf_counter()
+        cpu_start = time.process_time()
         await gen.run(nursery, ramp_s)
         await trio.sleep(warmup_s)
         with trio.move_on_after(30.0):
@@ -891,6 +1312,7 @@ async def run_load(
         busy0 = cpu_busy_seconds()
         self0 = time.process_time()
         t0 = time.perf_counter()
+        unix0 = time.time()
         say(f"window opens {t0 - t_start:.1f}s in, {gen.inflight} in flight; measuring {duration_s:g}s")
         infl: list[int] = []
         t_end = t0 + duration_s
@@ -902,6 +1324,7 @@ async def run_load(
         busy1 = cpu_busy_seconds()
         self1 = time.process_time()
         t1 = time.perf_counter()
+        unix1 = time.time()
         fails1 = dict(gen.failures)
         rej1 = dict(gen.rejected)
         rec1 = len(gen.records)
@@ -938,6 +1361,8 @@ async def run_load(
     ttfts.sort()
     completed = gen.records[rec0:rec1]
     window = t1 - t0
+    in_window = [r for r in gen.records if t0 <= r.sent_at <= t1 and r.error is None]
+    itl = _itl_ms(in_window)
     hist = {k: c1.hist[k] - c0.hist[k] for k in range(HIST_MAX + 1) if c1.hist[k] != c0.hist[k]}
     cpu: dict[str, float] = {}
     gone: list[str] = []
@@ -980,7 +1405,258 @@ async def run_load(
         rejected_window={k: v - rej0.get(k, 0) for k, v in rej1.items() if v != rej0.get(k, 0)},
         rejected_total=dict(gen.rejected),
         rejected_samples=list(gen.rejected_samples.values()),
+        mode="duration",
+        transport=gen.transport,
+        endpoint=gen.endpoint,
+        requests_sent=gen.sent,
+        requests_ok=sum(1 for r in gen.records if r.error is None),
+        run_s=time.perf_counter() - t_start,
+        inflight_target=gen.inflight_target,
+        steady_state=gen.inflight_reached.is_set(),
+        window_start_unix=unix0,
+        window_end_unix=unix1,
+        ttft_mean_ms=sum(ttfts) / len(ttfts) * 1e3 if ttfts else None,
+        itl_samples=len(itl),
+        itl_p50_ms=_or_none(_percentile(itl, 0.50)),
+        itl_p90_ms=_or_none(_percentile(itl, 0.90)),
+        itl_p99_ms=_or_none(_percentile(itl, 0.99)),
+        tpot_samples=gen.tpot_n,
+        input_tokens_mean=_mean_input_tokens(gen),
+        output_len_mean=sum(p.output_len for p in gen.prompts) / len(gen.prompts),
+        ignore_eos=gen.ignore_eos,
+        client_cpu_total_s=time.process_time() - cpu_start,
     )
+
+
+def _itl_ms(records: Sequence[RequestRecord]) -> list[float]:
+    """Every inter-token gap of ``records``, in ms, sorted."""
+    out: list[float] = []
+    for r in records:
+        out.extend(r.itl)
+    out.sort()
+    return [x * 1e3 for x in out]
+
+
+def _mean_input_tokens(gen: LoadGen) -> float | None:
+    counts = [p.input_tokens for p in gen.prompts if p.input_tokens >= 0]
+    return sum(counts) / len(counts) if counts else None
+
+
+def _or_none(x: float) -> float | None:
+    return None if math.isnan(x) else x
+
+
+def steady_window(active: Sequence[int], target: int) -> tuple[int, int, bool]:
+    """The steady-state window over samples of the number of clients active (in flight or backing
+    off): from the first to the last sample with ``active >= target``. Returns ``(first, last,
+    reached)``; when no sample reaches ``target``, the window is where ``active`` is at least 95% of
+    its peak and ``reached`` is False. ``first == last`` means no usable window."""
+    if not active:
+        return 0, 0, False
+    reached = max(active) >= target
+    if not reached:
+        target = max(1, math.ceil(0.95 * max(active)))
+    first = next(i for i, a in enumerate(active) if a >= target)
+    last = max(i for i, a in enumerate(active) if a >= target)
+    return first, last, reached
+
+
+@dataclass(slots=True)
+class _Sample:
+    t: float  # perf_counter
+    unix: float
+    active: int
+    inflight: int
+    counters: Counters
+    failures: dict[str, int]
+    rejected: dict[str, int]
+    cpu: dict[str, float | None]
+    client_cpu: float
+    busy: dict[int, float]
+
+
+async def run_prompts(
+    gen: LoadGen,
+    *,
+    ramp_s: float,
+    watch: dict[str, int],
+    max_duration_s: float = 600.0,
+    sample_s: float = 0.1,
+    progress_s: float = 5.0,
+    log: bool = True,
+) -> LoadResult:
+    """Send ``gen.num_prompts`` requests with at most ``gen.clients`` in flight (first connections
+    staggered over ``ramp_s``), sampling counters and /proc CPU every ``sample_s``; the result covers the
+    steady-state window (see ``steady_window``). Stops after ``max_duration_s`` even if prompts remain."""
+    assert gen.num_prompts is not None
+
+    def say(msg: str) -> None:
+        if log:
+            print(f"[loadgen] {msg}", file=sys.stderr, flush=True)
+
+    def sample() -> _Sample:
+        return _Sample(
+            time.perf_counter(),
+            time.time(),
+            gen.inflight + gen.backing_off,
+            gen.inflight,
+            gen.counters.snapshot(),
+            dict(gen.failures),
+            dict(gen.rejected),
+            {name: proc_cpu_seconds(pid) for name, pid in watch.items()},
+            time.process_time(),
+            cpu_busy_seconds(),
+        )
+
+    samples: list[_Sample] = []
+    cut_short = False
+    async with trio.open_nursery() as nursery:
+        t_start = time.perf_counter()
+        cpu_start = time.process_time()
+        await gen.run(nursery, ramp_s)
+        next_progress = t_start + progress_s
+        while True:
+            samples.append(sample())
+            now = samples[-1].t
+            if gen.all_done.is_set():
+                break
+            if now - t_start > max_duration_s:
+                cut_short = True
+                say(f"stopping after {max_duration_s:g}s with {gen.num_prompts - gen.sent} prompts unsent")
+                break
+            if now >= next_progress:
+                next_progress += progress_s
+                say(
+                    f"{now - t_start:5.1f}s: {len(gen.records)}/{gen.num_prompts} done, "
+                    f"{gen.inflight} in flight, {gen.counters.tokens} tokens"
+                )
+            with trio.move_on_after(sample_s):
+                await gen.all_done.wait()
+        nursery.cancel_scope.cancel()
+    t_end = time.perf_counter()
+    client_cpu_total = time.process_time() - cpu_start
+
+    first, last, reached = steady_window([s.active for s in samples], gen.inflight_target)
+    a, b = samples[first], samples[last]
+    if not reached:
+        say(
+            f"fewer than {gen.inflight_target}/{gen.clients} clients were ever in flight; "
+            "window at 95% of the peak"
+        )
+    t0, t1 = a.t, b.t
+    window = t1 - t0
+    say(f"steady window {t0 - t_start:.1f}s to {t1 - t_start:.1f}s of {t_end - t_start:.1f}s")
+    sent_in = [r for r in gen.records if t0 <= r.sent_at <= t1]
+    ok_in = [r for r in sent_in if r.error is None]
+    ttfts = sorted(
+        r.ttft for r in sent_in if not math.isnan(r.ttft) and not (r.error or "").startswith("rejected")
+    )
+    missing = sum(1 for r in sent_in if math.isnan(r.ttft) and not (r.error or "").startswith("rejected"))
+    tpots = [(sum(r.itl) / (r.tokens - 1)) for r in ok_in if r.tokens > 1 and r.itl]
+    itl = _itl_ms(ok_in)
+    completed = [r for r in gen.records if t0 <= r.ended_at <= t1]
+    prompts = gen.prompts
+    wrong = (
+        sum(1 for r in completed if r.error is None and r.tokens != prompts[r.prompt].output_len)
+        if gen.ignore_eos
+        else sum(1 for r in completed if r.error is None and r.tokens > prompts[r.prompt].output_len)
+    )
+    hist = {
+        k: b.counters.hist[k] - a.counters.hist[k]
+        for k in range(HIST_MAX + 1)
+        if b.counters.hist[k] != a.counters.hist[k]
+    }
+    cpu: dict[str, float] = {}
+    gone: list[str] = []
+    for name in watch:
+        c0, c1 = a.cpu[name], b.cpu[name]
+        if c0 is None or c1 is None:
+            gone.append(name)
+        else:
+            cpu[name] = c1 - c0
+    if cut_short:
+        gen.error_samples.append(f"run cut short after {max_duration_s:g}s")
+    window_samples = samples[first : last + 1]
+    return LoadResult(
+        url=f"http://{gen.host}:{gen.port}",
+        clients=gen.clients,
+        output_len=gen.output_len,
+        window_s=window,
+        window_started_after_s=t0 - t_start,
+        tokens=b.counters.tokens - a.counters.tokens,
+        token_events=b.counters.token_events - a.counters.token_events,
+        sse_events=b.counters.sse_events - a.counters.sse_events,
+        tokens_per_event_hist=hist,
+        no_token_ids_events=b.counters.no_token_ids - a.counters.no_token_ids,
+        bad_events=b.counters.bad_events - a.counters.bad_events,
+        requests_completed=sum(1 for r in completed if r.error is None),
+        ttft_samples=len(ttfts),
+        ttft_missing=missing,
+        ttft_p50_ms=_percentile(ttfts, 0.50) * 1e3,
+        ttft_p90_ms=_percentile(ttfts, 0.90) * 1e3,
+        ttft_p99_ms=_percentile(ttfts, 0.99) * 1e3,
+        ttft_max_ms=ttfts[-1] * 1e3 if ttfts else math.nan,
+        tpot_mean_ms=sum(tpots) / len(tpots) * 1e3 if tpots else math.nan,
+        wrong_length=wrong,
+        failures_window={
+            k: v - a.failures.get(k, 0) for k, v in b.failures.items() if v != a.failures.get(k, 0)
+        },
+        failures_total=dict(gen.failures),
+        error_samples=gen.error_samples,
+        inflight_min=min(s.inflight for s in window_samples),
+        inflight_mean=sum(s.inflight for s in window_samples) / len(window_samples),
+        cpu_s=cpu,
+        cpu_gone=gone,
+        client_cpu_s=b.client_cpu - a.client_cpu,
+        cpu_busy_s={c: b.busy[c] - a.busy[c] for c in b.busy if c in a.busy},
+        rejected_window={
+            k: v - a.rejected.get(k, 0) for k, v in b.rejected.items() if v != a.rejected.get(k, 0)
+        },
+        rejected_total=dict(gen.rejected),
+        rejected_samples=list(gen.rejected_samples.values()),
+        mode="num-prompts",
+        transport=gen.transport,
+        endpoint=gen.endpoint,
+        num_prompts=gen.num_prompts,
+        requests_sent=gen.sent,
+        requests_ok=sum(1 for r in gen.records if r.error is None),
+        run_s=t_end - t_start,
+        inflight_target=gen.inflight_target,
+        steady_state=reached and last > first,
+        window_start_unix=a.unix,
+        window_end_unix=b.unix,
+        ttft_mean_ms=sum(ttfts) / len(ttfts) * 1e3 if ttfts else None,
+        itl_samples=len(itl),
+        itl_p50_ms=_or_none(_percentile(itl, 0.50)),
+        itl_p90_ms=_or_none(_percentile(itl, 0.90)),
+        itl_p99_ms=_or_none(_percentile(itl, 0.99)),
+        tpot_samples=len(tpots),
+        input_tokens_mean=_mean_input_tokens(gen),
+        output_len_mean=sum(p.output_len for p in prompts) / len(prompts),
+        ignore_eos=gen.ignore_eos,
+        client_cpu_total_s=client_cpu_total,
+    )
+
+
+def save_detailed(path: str, gen: LoadGen, result: LoadResult, t_origin: float) -> None:
+    """Every request as JSON: times in seconds from ``t_origin`` (perf_counter), ITL gaps in seconds."""
+    prompts = gen.prompts
+    requests = [
+        {
+            "sent_at": r.sent_at - t_origin,
+            "ended_at": r.ended_at - t_origin,
+            "ttft": None if math.isnan(r.ttft) else r.ttft,
+            "input_tokens": prompts[r.prompt].input_tokens if r.prompt >= 0 else None,
+            "output_len": prompts[r.prompt].output_len if r.prompt >= 0 else None,
+            "tokens": r.tokens,
+            "events": r.events,
+            "itl": r.itl.tolist(),
+            "error": r.error,
+        }
+        for r in gen.records
+    ]
+    payload = {"result": msgspec.json.decode(msgspec.json.encode(result)), "requests": requests}
+    Path(path).write_text(json.dumps(payload, allow_nan=False, default=str, separators=(",", ":")))
 
 
 def raise_nofile_limit() -> None:
@@ -997,18 +1673,97 @@ def _parse_watch(items: list[str]) -> dict[str, int]:
     return out
 
 
+def served_model(host: str, port: int) -> str | None:
+    """The first model id of ``GET /v1/models``; None if the server does not say."""
+    try:
+        with urllib.request.urlopen(f"http://{host}:{port}/v1/models", timeout=5.0) as resp:
+            data = json.loads(resp.read())
+        return str(data["data"][0]["id"])
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--model", default="mock")
-    ap.add_argument("--clients", type=int, default=256)
-    ap.add_argument("--output-len", type=int, default=256)
-    ap.add_argument("--input-words", type=int, default=200)
+    ap.add_argument("--model", default=None, help="model name (default: the first of GET /v1/models)")
+    ap.add_argument(
+        "--clients",
+        "--max-concurrency",
+        dest="clients",
+        type=int,
+        default=256,
+        help="closed-loop clients: requests in flight at most, one connection each",
+    )
+    ap.add_argument(
+        "--num-prompts",
+        type=int,
+        default=None,
+        help="send this many requests, then stop; steady-state window (default: --duration mode)",
+    )
+    ap.add_argument(
+        "--request-rate",
+        type=float,
+        default=None,
+        help="first connections per second (spreads the start; overrides --ramp)",
+    )
+    ap.add_argument(
+        "--endpoint",
+        choices=("chat", "completions"),
+        default="chat",
+        help="/v1/chat/completions or /v1/completions",
+    )
+    ap.add_argument(
+        "--transport",
+        choices=("sse", "ws"),
+        default="sse",
+        help="HTTP + SSE, or one WebSocket per client on --ws-path (docs/websocket.md)",
+    )
+    ap.add_argument("--ws-path", default="/v1/ws")
+    ap.add_argument(
+        "--output-len",
+        "--random-output-len",
+        dest="output_len",
+        type=int,
+        default=256,
+        help="max_tokens per request (mean, with --random-range-ratio)",
+    )
+    ap.add_argument(
+        "--random-input-len",
+        type=int,
+        default=None,
+        help="prompt tokens per request (mean), made with --tokenizer; default: --input-words words",
+    )
+    ap.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="input/output lengths uniform in [len*(1-r), len*(1+r)]",
+    )
+    ap.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer.json or a folder with one (default: trioserve's built-in Qwen3)",
+    )
+    ap.add_argument(
+        "--input-words", type=int, default=200, help="words per prompt without --random-input-len"
+    )
+    ap.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="ask for exactly max_tokens tokens",
+    )
+    ap.add_argument("--seed", type=int, default=0, help="prompt and length seed")
     ap.add_argument("--ramp", type=float, default=1.0, help="stagger connection starts over this many s")
-    ap.add_argument("--warmup", type=float, default=3.0, help="seconds before the window may open")
-    ap.add_argument("--duration", type=float, default=10.0, help="measurement window, seconds")
-    ap.add_argument("--grace", type=float, default=10.0, help="max wait for in-window TTFTs")
+    ap.add_argument("--warmup", type=float, default=3.0, help="duration mode: seconds before the window")
+    ap.add_argument("--duration", type=float, default=10.0, help="duration mode: measurement window, s")
+    ap.add_argument("--grace", type=float, default=10.0, help="duration mode: max wait for in-window TTFTs")
+    ap.add_argument("--max-duration", type=float, default=600.0, help="--num-prompts mode: stop after this")
     ap.add_argument("--watch", action="append", default=[], metavar="NAME=PID", help="measure CPU of PID")
     ap.add_argument("--io", choices=("epoll", "tasks"), default="epoll", help="client I/O strategy")
     ap.add_argument(
@@ -1016,36 +1771,77 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--cpu", type=int, default=None, help="pin this process to one CPU core")
     ap.add_argument("--result-file", default=None, help="write the JSON result here (default: stdout)")
+    ap.add_argument(
+        "--save-detailed",
+        default=None,
+        metavar="PATH",
+        help="write every request (TTFT, ITL gaps, tokens, events, error) as JSON here",
+    )
+    ap.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = ap.parse_args(argv)
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})
+    if args.num_prompts is not None and args.num_prompts < 1:
+        ap.error("--num-prompts must be at least 1")
     raise_nofile_limit()
+    ramp = args.ramp if args.request_rate is None else args.clients / args.request_rate
+    model = args.model or served_model(args.host, args.port) or "mock"
+    n_prompts = args.num_prompts or args.clients
+    if args.random_input_len is not None:
+        prompts = token_prompts(
+            n_prompts,
+            args.random_input_len,
+            args.output_len,
+            args.random_range_ratio,
+            args.tokenizer,
+            args.seed,
+        )
+    else:
+        prompts = word_prompts(
+            n_prompts, args.input_words, args.output_len, args.random_range_ratio, args.seed
+        )
     gen = LoadGen(
         host=args.host,
         port=args.port,
         clients=args.clients,
-        model=args.model,
+        model=model,
         output_len=args.output_len,
-        input_words=args.input_words,
         io=args.io,
         max_backoff_s=args.max_backoff,
+        prompts=prompts,
+        num_prompts=args.num_prompts,
+        endpoint=args.endpoint,
+        transport=args.transport,
+        ignore_eos=args.ignore_eos,
+        ws_path=args.ws_path,
     )
-    result = trio.run(
-        lambda: run_load(
-            gen,
-            ramp_s=args.ramp,
-            warmup_s=args.warmup,
-            duration_s=args.duration,
-            watch=_parse_watch(args.watch),
-            grace_s=args.grace,
+    watch = _parse_watch(args.watch)
+    if args.num_prompts is not None:
+        result = trio.run(
+            lambda: run_prompts(
+                gen, ramp_s=ramp, watch=watch, max_duration_s=args.max_duration, log=not args.quiet
+            )
         )
-    )
+    else:
+        result = trio.run(
+            lambda: run_load(
+                gen,
+                ramp_s=ramp,
+                warmup_s=args.warmup,
+                duration_s=args.duration,
+                watch=watch,
+                grace_s=args.grace,
+                log=not args.quiet,
+            )
+        )
     data = msgspec.json.encode(result)
     if args.result_file:
         with open(args.result_file, "wb") as f:
             f.write(data)
     else:
         sys.stdout.buffer.write(msgspec.json.format(data) + b"\n")
+    if args.save_detailed:
+        save_detailed(args.save_detailed, gen, result, gen.t_start)
     return 0
 
 

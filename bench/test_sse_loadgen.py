@@ -6,7 +6,18 @@ import random
 
 import msgspec
 
-from sse_loadgen import Counters, ResponseParser, backoff_seconds, parse_retry_after
+from sse_loadgen import (
+    Counters,
+    ResponseParser,
+    WsResponseParser,
+    backoff_seconds,
+    parse_retry_after,
+    sample_lengths,
+    steady_window,
+    word_prompts,
+    ws_accept_key,
+    ws_frame,
+)
 
 
 def _chunk_event(ids: list[int], content: str = "x") -> bytes:
@@ -100,3 +111,94 @@ def test_retry_after_parse_and_rejection() -> None:
     p = ResponseParser(Counters())
     p.feed(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n", 0.0)
     assert p.complete and not p.rejected and p.retry_after is None
+
+
+def test_itl_events_and_completions_text() -> None:
+    counters = Counters()
+    p = ResponseParser(counters)
+    head = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+    p.feed(head, 0.0)
+    for t, ids in ((1.0, [1]), (1.5, [2, 3]), (3.0, [4])):
+        p.feed(_chunk_event(ids), t)
+    # A completions chunk without token_ids counts as one token.
+    sse = b'data: {"choices":[{"index":0,"text":"x"}]}\n\n'
+    p.feed(b"%x\r\n%s\r\n" % (len(sse), sse), 3.25)
+    done = b"data: [DONE]\n\n"
+    p.feed(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done), 4.0)
+    assert p.complete and p.error is None
+    assert p.tokens == 5 and p.events == 4 and p.first_token_at == 1.0
+    assert p.itl == [0.5, 1.5, 0.25]
+    assert counters.no_token_ids == 1
+
+
+def _ws_server_frame(payload: bytes, opcode: int = 0x1, fin: bool = True) -> bytes:
+    n = len(payload)
+    b0 = (0x80 if fin else 0) | opcode
+    if n < 126:
+        return bytes((b0, n)) + payload
+    if n < 65536:
+        return bytes((b0, 126)) + n.to_bytes(2, "big") + payload
+    return bytes((b0, 127)) + n.to_bytes(8, "big") + payload
+
+
+def test_websocket_messages_any_split() -> None:
+    chunk = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "x"}}]}
+    frames = b""
+    for i in range(40):
+        c = dict(chunk, choices=[dict(chunk["choices"][0], token_ids=[i, i + 1] if i == 7 else [i])])
+        frames += _ws_server_frame(msgspec.json.encode({"type": "chunk", "id": "3", "data": c}))
+    # A long message fragmented in two, then a ping, then done.
+    big = msgspec.json.encode({"type": "chunk", "id": "3", "data": dict(chunk, pad="y" * 300)})
+    frames += _ws_server_frame(big[:100], 0x1, fin=False) + _ws_server_frame(big[100:], 0x0)
+    frames += _ws_server_frame(b"hi", 0x9) + _ws_server_frame(b'{"type":"done","id":"3"}')
+    rng = random.Random(2)
+    for _ in range(100):
+        counters = Counters()
+        p = WsResponseParser(counters)
+        pos = 0
+        while pos < len(frames) and not p.complete:
+            n = rng.randint(1, 60)
+            p.feed(frames[pos : pos + n], float(pos))
+            pos += n
+        assert p.complete and p.done_seen and p.error is None and p.keep_alive
+        assert p.tokens == 42 and p.events == 41 and counters.hist[2] == 1
+        assert p.pong == ws_frame(0xA, b"hi")
+
+
+def test_websocket_error_and_close() -> None:
+    p = WsResponseParser(Counters())
+    err = {"type": "error", "id": "1", "status": 503, "error": {"message": "busy", "code": 503}}
+    p.feed(_ws_server_frame(msgspec.json.encode(err)), 0.0)
+    assert p.complete and p.rejected and p.status == 503 and p.keep_alive
+    p = WsResponseParser(Counters())
+    p.feed(_ws_server_frame(b"\x03\xe8", 0x8), 0.0)
+    assert p.complete and p.error == "websocket closed" and not p.keep_alive
+    p = WsResponseParser(Counters())
+    p.eof(0.0)
+    assert p.complete and p.error == "truncated stream"
+
+
+def test_ws_frame_and_accept_key() -> None:
+    # RFC 6455 section 1.3's example.
+    assert ws_accept_key(b"dGhlIHNhbXBsZSBub25jZQ==") == b"s3pPLMBiTxaQ9kYGzzhZRbK+xOo="
+    assert ws_frame(0x1, b"abc") == b"\x81\x83\0\0\0\0abc"
+    assert ws_frame(0x1, b"a" * 200)[:4] == b"\x81\xfe\x00\xc8"
+    assert ws_frame(0x1, b"a" * 70000)[:10] == b"\x81\xff" + (70000).to_bytes(8, "big")
+
+
+def test_random_lengths() -> None:
+    rng = random.Random(0)
+    assert {sample_lengths(rng, 256, 0.0) for _ in range(10)} == {256}
+    seen = [sample_lengths(rng, 100, 0.5) for _ in range(2000)]
+    assert min(seen) == 50 and max(seen) == 150
+    prompts = word_prompts(3, 5, 64, seed=1)
+    assert len(prompts) == 3 and all(p.output_len == 64 and len(p.text.split()) == 7 for p in prompts)
+
+
+def test_steady_window() -> None:
+    # Ramp up, hold at >= 95 (target for 100 clients), one dip, drain.
+    active = [0, 20, 60, 96, 100, 100, 90, 100, 97, 40, 0]
+    assert steady_window(active, 95) == (3, 8, True)
+    # Never reached: the window is where the count is >= 95% of its peak (60 -> 57).
+    assert steady_window([0, 30, 58, 60, 59, 10], 95) == (2, 4, False)
+    assert steady_window([], 95) == (0, 0, False)
