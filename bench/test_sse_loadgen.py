@@ -202,3 +202,17 @@ def test_steady_window() -> None:
     # Never reached: the window is where the count is >= 95% of its peak (60 -> 57).
     assert steady_window([0, 30, 58, 60, 59, 10], 95) == (2, 4, False)
     assert steady_window([], 95) == (0, 0, False)
+
+
+def test_sse_probe_counts_token_ids_per_event() -> None:
+    from sse_probe import tokens_per_event
+
+    lines = [
+        b'data: {"choices":[{"index":0,"text":"a","token_ids":[1]}]}\n',
+        b"\n",
+        b'data: {"choices":[{"index":0,"text":"bc","token_ids":[2,3]}]}\n',
+        b'data: {"choices":[{"index":0,"text":"","finish_reason":"length"}]}\n',
+        b'data: {"choices":[],"usage":{"completion_tokens":3}}\n',
+        b"data: [DONE]\n",
+    ]
+    assert tokens_per_event(lines) == [1, 2, 0]
