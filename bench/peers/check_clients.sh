@@ -87,13 +87,12 @@ for _ in $(seq 120); do
 	sleep 0.5
 done
 
-# guidellm: /v1/completions. Its chat requests send content as a list of text parts, which
-# SmolLM2's chat template (string concatenation) cannot render in trioserve (HTTP 500; see
-# docs/benchmarks.md, "Real clients").
-say "guidellm run (/v1/completions, concurrency $CONCURRENCY, $REQUESTS requests)"
+# guidellm: chat. It sends content as a list of text parts, which trioserve joins into one string
+# before the chat template (SmolLM2's concatenates content as a string).
+say "guidellm run (/v1/chat/completions, concurrency $CONCURRENCY, $REQUESTS requests)"
 mkdir -p "$OUT_DIR/guidellm"
 HF_HUB_OFFLINE=1 taskset -c 0 "$GUIDELLM_VENV/bin/guidellm" run \
-	--backend "kind=openai_http,target=http://127.0.0.1:$port,model=$MODEL_NAME,request_format=/v1/completions" \
+	--backend "kind=openai_http,target=http://127.0.0.1:$port,model=$MODEL_NAME,request_format=/v1/chat/completions" \
 	--profile "kind=concurrent,streams=$CONCURRENCY" \
 	--data "kind=synthetic_text,prompt_tokens=$PROMPT_TOKENS,output_tokens=$OUTPUT_TOKENS" \
 	--constraint "kind=max_requests,count=$REQUESTS" \
@@ -130,7 +129,7 @@ rows, bad = [], []
 
 g = json.loads((out / "guidellm/benchmarks.json").read_text())["benchmarks"][0]["metrics"]
 ok = g["request_totals"]
-rows.append(("guidellm 0.8.1 (completions)", ok["successful"], ok["errored"] + ok["incomplete"],
+rows.append(("guidellm 0.8.1 (chat)", ok["successful"], ok["errored"] + ok["incomplete"],
              g["output_token_count"]["successful"]["mean"], g["output_tokens_per_second"]["successful"]["mean"],
              g["time_to_first_token_ms"]["successful"]["median"], g["inter_token_latency_ms"]["successful"]["median"],
              g["output_tokens_per_iteration"]["successful"]["mean"]))

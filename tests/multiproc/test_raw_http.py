@@ -323,6 +323,7 @@ BAD_REQUESTS: list[Any] = [
     ("stop-wrong-type", CHAT, {**M, "stop": 5}, 400),
     ("too-many-stops", CHAT, {**M, "stop": list("abcdefghijklmnopq")}, 400),
     ("stop-token-ids-negative", CHAT, {**M, "stop_token_ids": [-1]}, 400),
+    ("stop-token-ids-too-many", CHAT, {**M, "stop_token_ids": list(range(129))}, 400),
     pytest.param("stop-token-ids-huge", CHAT, {**M, "stop_token_ids": [BIG]}, 400),
     pytest.param("top-k-huge", CHAT, {**M, "top_k": BIG}, 400),
     pytest.param("priority-huge", COMPLETIONS, {"prompt": "x", "priority": BIG}, 400),

@@ -39,7 +39,15 @@ from trioserve.protocol.worker_messages import (
     WorkerStep,
     worker_output_codec,
 )
-from trioserve.transport.shm_ring import ReaderDied, RingReader, RingWriter, ShmRing, WriterClosed, WriterDied
+from trioserve.transport.shm_ring import (
+    MessageTooLarge,
+    ReaderDied,
+    RingReader,
+    RingWriter,
+    ShmRing,
+    WriterClosed,
+    WriterDied,
+)
 
 log = logging.getLogger("trioserve.engine")
 
@@ -63,9 +71,11 @@ class WorkerExecutorConfig:
 def step_slot_bytes(
     max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int
 ) -> int:
-    """An upper bound on one encoded ``SchedulerOutput`` (msgpack ints take at most 5 bytes here; 256
-    bytes of request id, sampling parameters and framing per request), rounded up to a MiB."""
-    per_request = 256 + 5 * (-(-max_model_len // block_size))
+    """An upper bound on one encoded ``SchedulerOutput``, rounded up to a MiB: msgpack ints take at most
+    5 bytes here; per request a block table, and 1 KiB for its id (three times: new, scheduled,
+    finished), sampling parameters (the API server allows at most 128 stop token ids, 640 bytes) and
+    framing."""
+    per_request = 1024 + 5 * (-(-max_model_len // block_size))
     bound = 5 * max_num_batched_tokens + max_num_seqs * per_request + 4096
     return -(-bound // (1 << 20)) * (1 << 20)
 
@@ -100,6 +110,8 @@ class WorkerExecutor:
                 message = await self._read()
         except (ReaderDied, WriterDied, WriterClosed) as exc:
             raise await self._died(exc) from None
+        except MessageTooLarge as exc:  # the slot is sized so that this cannot happen; never truncate
+            raise self._fail(f"step {step.step} does not fit the step ring: {exc}") from None
         if scope.cancelled_caught:
             raise self._fail(f"worker 0 took more than {self.config.step_timeout:g} s on step {step.step}")
         if not isinstance(message, StepResult) or message.step != step.step:

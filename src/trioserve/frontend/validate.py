@@ -18,6 +18,9 @@ from trioserve.protocol.messages import SamplingParams
 T = TypeVar("T")
 
 _MAX_STOP_STRINGS = 16
+# Every step the engine sends carries each new request's sampling parameters, and the worker ring's
+# slot is sized for at most this many stop ids per request (engine/worker_executor.step_slot_bytes).
+MAX_STOP_TOKEN_IDS = 128
 _INT64 = 2**63
 
 
@@ -129,6 +132,10 @@ def sampling_params(
     stop_ids = req.stop_token_ids or []
     if any(t < 0 for t in stop_ids):
         raise ApiError(400, "stop_token_ids must be non-negative", param="stop_token_ids")
+    if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+        raise ApiError(
+            400, f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed", param="stop_token_ids"
+        )
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
