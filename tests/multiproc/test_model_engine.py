@@ -43,6 +43,12 @@ def shm_segments() -> set[str]:
     return {name for name in os.listdir("/dev/shm") if name.startswith("trioserve_")}
 
 
+def segments_of(pid: int) -> set[str]:
+    """The trioserve shared-memory segments ``pid`` has mapped (other tests may make their own)."""
+    maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    return {line.rsplit("/", 1)[1] for line in maps if "/dev/shm/trioserve_" in line}
+
+
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("tiny-llama")
@@ -77,13 +83,13 @@ def start_model_server(model: Path, log_dir: Path, name: str, *flags: str) -> Se
 @pytest.fixture(scope="module")
 def model_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """Its teardown checks that SIGTERM leaves no process and no shared-memory segment behind."""
-    before = shm_segments()
     server = start_model_server(tiny_model, tmp_path_factory.mktemp("logs"), "model_server")
     try:
         server.wait_ready(TIMEOUT)
         (worker,) = workers_of(server)
-        created = shm_segments() - before
+        created = segments_of(worker)
         assert len(created) == 2, created  # the step ring and the result ring
+        assert segments_of(server.engine_pid) == created
         yield server
     finally:
         server.stop()
@@ -159,12 +165,12 @@ async def test_same_seed_same_text(model_server: ServerProcess) -> None:
 async def test_a_worker_that_dies_fails_its_requests_and_cleanup_is_complete(
     tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    before = shm_segments()
     server = start_model_server(tiny_model, tmp_path_factory.mktemp("logs"), "dying_worker")
     try:
         await trio.to_thread.run_sync(server.wait_ready, TIMEOUT)
-        created = shm_segments() - before
         (worker,) = workers_of(server)
+        created = segments_of(worker)
+        assert len(created) == 2, created
         with trio.fail_after(TIMEOUT):
             async with await RawHttp.connect(server.host, server.port) as conn:
                 body = {"prompt": "x", "max_tokens": 400, "ignore_eos": True, "stream": True}
