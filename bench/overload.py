@@ -11,6 +11,8 @@ Settings:
 
 - ``vllm-like``: unbounded output queue, no engine high-water mark, merge, no admission limit of any kind;
 - ``defaults``: trioserve's defaults (no extra flags);
+- ``no-delay-gate``: the defaults without output-delay shedding (``--max-output-delay-ms 0``: the
+  defaults before it existed);
 - ``max-concurrent-256``: the defaults with ``--max-concurrent-requests 256`` (the 429 path).
 """
 
@@ -40,8 +42,10 @@ SETTINGS: dict[str, list[str]] = {
         "--max-pending-renders=0",
         "--max-num-seqs-waiting=0",
         "--max-loop-lag-ms=0",
+        "--max-output-delay-ms=0",
     ],
     "defaults": [],
+    "no-delay-gate": ["--max-output-delay-ms=0"],
     "max-concurrent-256": ["--max-concurrent-requests=256"],
 }
 

@@ -122,6 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-loop-lag-ms", type=float, default=500.0, help="shed new requests above this loop lag; 0 = off"
     )
+    serve.add_argument(
+        "--max-output-delay-ms",
+        type=float,
+        default=200.0,
+        help="shed new requests (503) while engine output waits longer than this before the output "
+        "handler takes it, until it is back under half; 0 = off",
+    )
     serve.add_argument("--shutdown-timeout", type=float, default=5.0)
     serve.add_argument("--engine-ready-timeout", type=float, default=120.0)
     serve.add_argument("--vocab-size", type=_positive, default=32000, help="mock engine vocabulary")

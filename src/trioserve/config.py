@@ -55,6 +55,7 @@ class ServeConfig:
     max_pending_renders: int = 256
     max_num_seqs_waiting: int = 1024
     max_loop_lag_ms: float = 500.0
+    max_output_delay_ms: float = 200.0  # shed (503) while engine output waits longer here; 0 = off
     shutdown_timeout: float = 5.0
     engine_ready_timeout: float = 120.0
     log_level: str = "info"

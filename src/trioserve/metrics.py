@@ -52,6 +52,7 @@ class Metrics:
     e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
     queue_time: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
     loop_lag: Histogram = field(default_factory=lambda: Histogram(LAG_BUCKETS))
+    output_delay: Histogram = field(default_factory=lambda: Histogram(LAG_BUCKETS))
     prompt_tokens: int = 0
     generation_tokens: int = 0
     finished: dict[str, int] = field(default_factory=dict)  # by finish reason
@@ -110,6 +111,11 @@ class Metrics:
             ("vllm:e2e_request_latency_seconds", self.e2e, "Arrival to last token."),
             ("vllm:request_queue_time_seconds", self.queue_time, "Engine: queued to first scheduled."),
             ("trioserve:event_loop_lag_seconds", self.loop_lag, "How late the API server's loop runs."),
+            (
+                "trioserve:output_delay_seconds",
+                self.output_delay,
+                "How long each engine step waited in the API server before the output handler took it.",
+            ),
         ):
             family(name, "histogram", help_text)
             out.extend(hist.lines(name, label))

@@ -24,6 +24,7 @@ from ._support import (
     RawHttp,
     assert_openai_error,
     chat_body,
+    http_request,
     post,
     request_json,
     summarize,
@@ -353,3 +354,27 @@ async def test_cancel_racing_completion_gets_one_final(slow_server: ServerProces
             await s.settle()
             await ws.aclose()
     assert [m["type"] for m in s.seen["r1"].finals] == ["response"]
+
+
+async def test_upgrade_on_a_connection_hypercorn_owns(slow_server: ServerProcess) -> None:
+    """A fresh ``/v1/ws`` upgrade is served on the fast path; an upgrade on a keep-alive connection
+    whose first request went to hypercorn is served by the quart route, with the same protocol."""
+    with trio.fail_after(TIMEOUT):
+        raw = await RawHttp.connect(slow_server.host, slow_server.port)
+        await raw.send(http_request("GET", "/v1/models"))
+        assert (await raw.read_response()).status == 200
+        async with trio.open_nursery() as nursery:
+            ws = await wrap_client_stream(nursery, raw.stream, slow_server.host, "/v1/ws")
+            s = WsSession(ws, strict=False)  # "a" is reused on purpose
+            await s.request("a", chat_body(6, stream=True, return_token_ids=True))
+            await s.request("b", chat_body(4, return_token_ids=True))
+            await s.request("a", chat_body(2, stream=True))
+            await s.ws.send_message("not json")
+            while not (s.seen.get("b") and s.seen.get(None) and len(s.seen.get("a", Tracked()).finals) == 2):
+                await s.next()
+            await s.settle()
+            await ws.aclose()
+    assert sorted(m["type"] for m in s.seen["a"].finals) == ["done", "error"]
+    assert token_count(s.seen["a"]) == 6
+    assert s.seen["b"].final["type"] == "response"
+    assert s.seen[None].final["status"] == 400

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
+import trio
 from trio.testing import MockClock
 
-from tests.trio.conftest import Stack
+from tests.trio.conftest import BASE_CONFIG, STEP_US, Stack, start_stack
 from tests.trio.test_streaming import CHAT, chat_body
+from trioserve.frontend.stream_policy import StreamPolicy
+from trioserve.frontend.tokenizer import Tokenizer
+
+STEP = STEP_US / 1e6
 
 
 def sample(text: str, name: str, labels: str = "") -> float:
@@ -39,3 +45,32 @@ async def test_metrics_count_exactly_what_was_served(stack: Stack, autojump_cloc
     assert sample(text, "trioserve:requests_in_flight") == 0
     assert sample(text, "vllm:num_requests_running") == 0
     assert sample(text, "vllm:time_to_first_token_seconds_bucket", 'le="+Inf"') == 3
+
+
+async def test_metrics_show_what_waits_for_slow_clients(
+    tokenizer: Tokenizer, autojump_clock: MockClock
+) -> None:
+    for policy in ("merge", "stall"):
+        cfg = replace(BASE_CONFIG, stream_policy=StreamPolicy.parse(policy))
+        async with trio.open_nursery() as nursery:
+            stack = await start_stack(nursery, tokenizer, cfg)
+            slow, fast = await stack.client(rcvbuf=4096), await stack.client()
+            await slow.send_request(CHAT, chat_body(200))
+            reply = await slow.read_body(await slow.read_head(), max_events=3)
+            await trio.sleep(60 * STEP)  # the slow client stops reading; its socket fills up
+            text = (await fast.request("/metrics", b"", method="GET")).body.decode()
+            assert sample(text, "trioserve:streams_backlogged") == 1
+            backlog = sample(text, "trioserve:stream_backlog_bytes")
+            assert backlog > 0 and sample(text, "trioserve:stream_backlog_bytes_max") == backlog
+            if policy == "merge":
+                assert sample(text, "trioserve:streams_merging") == 1
+                merged = sample(text, "trioserve:stream_merged_tokens")
+                assert merged > 0 and sample(text, "trioserve:stream_merged_tokens_max") == merged
+                assert sample(text, "trioserve:streams_stalled") == 0
+            else:  # the handler waits for the slow client instead of merging
+                assert sample(text, "trioserve:streams_stalled") == 1
+            await slow.read_body(reply)
+            text = (await fast.request("/metrics", b"", method="GET")).body.decode()
+            for name in ("streams_backlogged", "streams_merging", "streams_stalled", "stream_backlog_bytes"):
+                assert sample(text, f"trioserve:{name}") == 0
+            nursery.cancel_scope.cancel()

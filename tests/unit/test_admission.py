@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trioserve.frontend.admission import Admission, AdmissionLimits
+from trioserve.frontend.admission import Admission, AdmissionLimits, DelayGate
 from trioserve.frontend.errors import ApiError
 
 
@@ -46,5 +46,33 @@ def test_overload_rules_are_503() -> None:
 def test_zero_means_no_limit() -> None:
     admission = Admission(AdmissionLimits())
     admission.loop_lag, admission.engine_waiting = 10.0, 10**6
+    admission.observe_output_delay(10.0)
     tickets = [admission.admit() for _ in range(1000)]
     assert admission.in_flight == len(tickets)
+
+
+def test_delay_gate_shuts_above_the_budget_and_opens_at_half() -> None:
+    gate = DelayGate(0.2)
+    samples = [0.0, 0.15, 0.2, 0.21, 0.19, 0.15, 0.101, 0.1, 0.15, 0.3, 0.05]
+    states = [gate.observe(d) for d in samples]
+    # 0.2 itself is within the budget; above it the gate shuts and stays shut until <= 0.1.
+    assert states == [False, False, False, True, True, True, True, False, False, True, False]
+    assert gate.shut_count == 2
+    assert not DelayGate(0.0).observe(100.0)  # 0: off
+
+
+def test_output_delay_sheds_with_503_until_the_backlog_drains() -> None:
+    admission = Admission(AdmissionLimits(max_output_delay=0.2, max_concurrent_requests=10))
+    first = admission.admit()
+    admission.observe_output_delay(0.35)
+    err = refusal(admission)
+    assert (err.status, err.retry_after) == (503, 1)
+    assert "waits 350 ms" in err.message and "under 100 ms" in err.message
+    admission.observe_output_delay(0.15)  # better, but not yet under half the budget
+    assert refusal(admission).status == 503
+    admission.observe_output_delay(0.08)
+    second = admission.admit()
+    assert admission.in_flight == 2  # refusals never took a slot
+    assert admission.rejected == {"output_delay": 2}
+    first.release()
+    second.release()

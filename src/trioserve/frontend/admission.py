@@ -7,11 +7,16 @@ it when it leaves the active set. Which status a refusal gets, and why:
 - **429** when this API server already has ``--max-concurrent-requests`` in flight: a per-server
   capacity limit; the client (or its balancer) should retry later or elsewhere.
 - **503** when the server is overloaded: the renderer queue is full (``--max-pending-renders``), the
-  engine's waiting queue is at ``--max-num-seqs-waiting``, or the event loop lags more than
+  engine's waiting queue is at ``--max-num-seqs-waiting``, the event loop lags more than
   ``--max-loop-lag-ms`` (then every stream already running is late too, and a new one would only add
-  to that).
+  to that), or engine output waits longer than ``--max-output-delay-ms`` before the output handler
+  takes it (the API server cannot keep up with the streams it has; a new one would wait that long for
+  its first token, and slow every other one further): then ``DelayGate`` refuses new requests until
+  the delay is back under half the budget. This is the default that refuses at the door on its own: it
+  needs no capacity figure, only a latency budget.
 
-Both carry ``Retry-After``. Pure: the caller feeds it the loop lag and the engine's queue stats.
+Both carry ``Retry-After``. Pure: the caller feeds it the loop lag, the output delay and the engine's
+queue stats.
 """
 
 from __future__ import annotations
@@ -30,7 +35,36 @@ class AdmissionLimits:
     max_pending_renders: int = 0  # 0: no limit
     max_num_seqs_waiting: int = 0  # 0: no limit
     max_loop_lag: float = 0.0  # seconds; 0: no shedding
+    max_output_delay: float = 0.0  # seconds; 0: no shedding
     retry_after: int = 1
+
+
+class DelayGate:
+    """Hysteresis on a delay signal, so shedding does not flap: the gate shuts when a sample exceeds
+    ``budget`` and opens again only once a sample is at or below ``budget * resume`` (in between it
+    keeps its state). ``budget`` 0: never shuts."""
+
+    __slots__ = ("budget", "delay", "resume", "shut", "shut_count")
+
+    def __init__(self, budget: float, resume: float = 0.5) -> None:
+        self.budget = budget
+        self.resume = resume
+        self.delay = 0.0  # the latest sample, seconds
+        self.shut = False
+        self.shut_count = 0  # times it shut (one per shedding episode)
+
+    def observe(self, delay: float) -> bool:
+        """Feed one sample (seconds); returns whether the gate is now shut."""
+        self.delay = delay
+        if not self.budget:
+            return False
+        if delay > self.budget:
+            if not self.shut:
+                self.shut = True
+                self.shut_count += 1
+        elif delay <= self.budget * self.resume:
+            self.shut = False
+        return self.shut
 
 
 class Ticket:
@@ -55,7 +89,13 @@ class Admission:
         self.rendering = 0
         self.engine_waiting = 0  # from the engine's latest stats
         self.loop_lag = 0.0  # seconds, from the loop-lag monitor
+        # How long engine output produced now would wait before the output handler takes it
+        # (seconds): the caller feeds the estimate (``observe_output_delay``) before each ``admit``.
+        self.output_delay = DelayGate(limits.max_output_delay)
         self.rejected: Counter[str] = Counter()  # by reason
+
+    def observe_output_delay(self, delay: float) -> None:
+        self.output_delay.observe(delay)
 
     def _refuse(self, status: int, reason: str, message: str) -> ApiError:
         self.rejected[reason] += 1
@@ -70,6 +110,15 @@ class Admission:
                 "loop_lag",
                 f"server overloaded: its event loop is {self.loop_lag * 1e3:.0f} ms behind "
                 f"(limit {lim.max_loop_lag * 1e3:.0f} ms); retry later",
+            )
+        gate = self.output_delay
+        if gate.shut:
+            raise self._refuse(
+                503,
+                "output_delay",
+                f"server overloaded: engine output waits {gate.delay * 1e3:.0f} ms here before reaching "
+                f"clients (budget {lim.max_output_delay * 1e3:.0f} ms; new requests are refused until it "
+                f"is under {lim.max_output_delay * gate.resume * 1e3:.0f} ms); retry later",
             )
         if lim.max_concurrent_requests and self.in_flight >= lim.max_concurrent_requests:
             raise self._refuse(

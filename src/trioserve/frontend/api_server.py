@@ -19,10 +19,13 @@ from trioserve.frontend.app import create_app
 from trioserve.frontend.asgi_host import AsgiHost
 from trioserve.frontend.engine_client import EngineClient
 from trioserve.frontend.http_server import HttpServer
-from trioserve.frontend.output_handler import OutputHandler
+from trioserve.frontend.http_sink import HttpSink
+from trioserve.frontend.output_handler import OutputHandler, StampedStepQueue
+from trioserve.frontend.queue_sinks import SseQueueSink
+from trioserve.frontend.responses import StreamingResponse
 from trioserve.frontend.serving import Serving
-from trioserve.frontend.step_queue import StepQueue
 from trioserve.frontend.tokenizer import Tokenizer
+from trioserve.frontend.ws_server import websocket_handoff
 from trioserve.metrics import Metrics
 
 log = logging.getLogger("trioserve.frontend")
@@ -54,14 +57,15 @@ class ApiServer:
             output_address=addresses.output,
             output_hwm=config.engine_output_hwm,
         )
-        self.steps = StepQueue(config.output_queue_size, config.output_queue_policy)
+        self.steps = StampedStepQueue(config.output_queue_size, config.output_queue_policy)
         self.metrics = Metrics(config.model_names[0])
         self.handler = OutputHandler(self.engine.abort, self.metrics)
         self.serving = Serving(config, tokenizer, self.engine, self.handler)
         self.asgi = AsgiHost(
             create_app(self.serving, self.metrics_text), max_body=config.max_request_body_bytes
         )
-        self.http = HttpServer(self.serving, self.asgi.handoff, config.max_request_body_bytes)
+        handoff = websocket_handoff(self.serving, self.asgi.handoff)  # /v1/ws upgrades stay here
+        self.http = HttpServer(self.serving, handoff, config.max_request_body_bytes)
 
     async def run(
         self,
@@ -92,9 +96,61 @@ class ApiServer:
             admission.loop_lag = lag = max(0.0, trio.current_time() - due)
             self.metrics.loop_lag.observe(lag)
 
+    def _stream_backlog(self) -> dict[str, tuple[str, float]]:
+        """What waits in each streamed response for its client, summarized over the responses (one
+        per connection on HTTP/1.1). Read at scrape time: O(responses), nothing on the token path."""
+        backlogged = merging = 0
+        bytes_sum = bytes_max = tokens_sum = tokens_max = 0
+        for response in self.serving.active:
+            if not isinstance(response, StreamingResponse):
+                continue
+            sink = response.sink
+            if sink.backlogged:
+                backlogged += 1
+                # WebSocket sinks share their socket's writer; its bytes are not counted here.
+                if isinstance(sink, HttpSink):
+                    size = sink.backlog_bytes
+                elif isinstance(sink, SseQueueSink):
+                    size = sum(map(len, sink.chunks))
+                else:
+                    size = 0
+                bytes_sum += size
+                bytes_max = max(bytes_max, size)
+            tokens = response.merged_tokens
+            if tokens:
+                merging += 1
+                tokens_sum += tokens
+                tokens_max = max(tokens_max, tokens)
+        return {
+            "trioserve:streams_backlogged": (
+                "Streamed responses whose client has not taken every byte written yet.",
+                backlogged,
+            ),
+            "trioserve:streams_merging": (
+                "Streamed responses holding merged deltas for a client that is behind.",
+                merging,
+            ),
+            "trioserve:streams_stalled": (
+                "Slow clients the output handler is waiting on (stream policy stall).",
+                self.handler.stalled_waiting,
+            ),
+            "trioserve:stream_backlog_bytes": (
+                "Bytes written but not yet taken by clients, summed over streamed responses.",
+                bytes_sum,
+            ),
+            "trioserve:stream_backlog_bytes_max": ("The largest of those per response.", bytes_max),
+            "trioserve:stream_merged_tokens": (
+                "Tokens merged and waiting for clients to catch up, summed over streamed responses.",
+                tokens_sum,
+            ),
+            "trioserve:stream_merged_tokens_max": ("The largest of those per response.", tokens_max),
+        }
+
     def metrics_text(self) -> str:
         stats = self.handler.engine_stats.values()
         admission = self.serving.admission
+        output_delay = self.handler.output_delay()
+        admission.observe_output_delay(output_delay)  # the gate as of now, not of the last request
         gauges = {
             "vllm:num_requests_running": (
                 "Requests running in the engines.",
@@ -117,11 +173,24 @@ class ApiServer:
             "trioserve:output_queue_depth": ("Engine steps queued for the output handler.", self.steps.depth),
             "trioserve:engine_send_queue_depth": ("Requests queued for the engine.", self.engine.queued_adds),
             "trioserve:event_loop_lag_current_seconds": ("Latest loop-lag sample.", admission.loop_lag),
+            "trioserve:output_delay_current_seconds": (
+                "How long engine output produced now would wait for the output handler (estimate).",
+                output_delay,
+            ),
+            "trioserve:output_delay_shedding": (
+                "1 while new requests are refused because engine output waits too long here.",
+                int(admission.output_delay.shut),
+            ),
+            **self._stream_backlog(),
         }
         counters = {
             "trioserve:output_queue_coalesced_total": (
                 "Engine steps folded into a queued step (output queue full).",
                 self.steps.coalesced,
+            ),
+            "trioserve:output_delay_shedding_episodes_total": (
+                "Times engine output came to wait longer than --max-output-delay-ms (shedding began).",
+                admission.output_delay.shut_count,
             ),
             "trioserve:bad_engine_frames_total": (
                 "Engine frames that failed to decode.",

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
 
 import msgspec
 import trio
@@ -22,11 +21,11 @@ from werkzeug.exceptions import HTTPException
 from trioserve.frontend.chunks import Kind
 from trioserve.frontend.errors import ApiError, error_body
 from trioserve.frontend.openai_schema import DetokenizeRequest, TokenizeRequest
-from trioserve.frontend.queue_sinks import SseQueueSink, WsSink
+from trioserve.frontend.queue_sinks import OutboxWriter, SseQueueSink
 from trioserve.frontend.responses import Response
 from trioserve.frontend.serving import Serving, message_dicts
 from trioserve.frontend.validate import decode_body, resolve_model
-from trioserve.sync import Waker
+from trioserve.frontend.ws_server import WsSession
 
 
 def _json(body: bytes, status: int = 200) -> QuartResponse:
@@ -43,20 +42,6 @@ def _error(exc: ApiError) -> QuartResponse:
     if exc.retry_after is not None:
         response.headers["retry-after"] = str(exc.retry_after)
     return response
-
-
-class WsRequest(msgspec.Struct, tag_field="type", tag="request"):
-    id: str
-    body: dict[str, Any]
-    endpoint: str = "chat.completions"
-
-
-class WsCancel(msgspec.Struct, tag_field="type", tag="cancel"):
-    id: str
-
-
-_ws_decoder = msgspec.json.Decoder(WsRequest | WsCancel)
-_WS_ENDPOINTS: dict[str, Kind] = {"chat.completions": "chat", "completions": "completion"}
 
 
 def create_app(serving: Serving, metrics_text: Callable[[], str]) -> QuartTrio:
@@ -175,74 +160,29 @@ async def _stream(serving: Serving, response: Response, sink: SseQueueSink) -> A
 
 
 async def _serve_websocket(serving: Serving) -> None:
-    """Several requests over one socket; one writer task drains the shared outbox in order."""
-    outbox: list[bytes] = []
-    writer = Waker()
-    running: dict[str, tuple[Response, WsSink]] = {}
+    """Several requests over one socket (``WsSession``); one writer task sends the outbox in order.
+    Only for a connection hypercorn already owns: a fresh ``/v1/ws`` upgrade takes the fast path
+    (``ws_server.py``)."""
+    out = OutboxWriter()
+    session: WsSession | None = None
 
     async def write_loop() -> None:
         while True:
-            if not outbox:
-                await writer.wait()
+            if not out.outbox:
+                await out.waker.wait()
                 continue
-            batch = outbox[:]
-            outbox.clear()
-            for _, (response, _sink) in list(running.items()):
-                response.on_drained()
+            batch = out.take()
+            assert session is not None
+            session.drained()  # deltas merged while we were away queue behind this batch
             for message in batch:
                 await websocket.send(message.decode())
-            for rid, (_response, sink) in list(running.items()):
-                if sink.finished:
-                    del running[rid]
-
-    starting: dict[str, bool] = {}  # ids being rendered -> cancelled meanwhile
-
-    async def start(msg: WsRequest, sink: WsSink) -> None:
-        kind = _WS_ENDPOINTS.get(msg.endpoint)
-        try:
-            if kind is None:
-                raise ApiError(400, f"unknown endpoint {msg.endpoint!r}; use one of {sorted(_WS_ENDPOINTS)}")
-            response = await serving.start(kind, msgspec.json.encode(msg.body), sink)
-        except ApiError as exc:
-            sink.full(exc.status, exc.body())
-            return
-        finally:
-            cancelled = starting.pop(msg.id)
-        if cancelled:
-            serving.cancel(response)
-            sink.end()
-        elif not response.done:
-            running[msg.id] = (response, sink)
 
     try:
         async with trio.open_nursery() as nursery:
+            session = WsSession(serving, out, nursery)
             nursery.start_soon(write_loop)
             while True:
-                raw = await websocket.receive()
-                try:
-                    msg = _ws_decoder.decode(raw)
-                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                    error = msgspec.json.decode(error_body(400, f"bad message: {exc}"))["error"]
-                    outbox.append(
-                        msgspec.json.encode({"type": "error", "id": None, "status": 400, "error": error})
-                    )
-                    writer.set()
-                    continue
-                if isinstance(msg, WsCancel):
-                    if msg.id in starting:
-                        starting[msg.id] = True  # ``start`` ends it once rendering returns
-                    entry = running.pop(msg.id, None)
-                    if entry is not None and not entry[1].finished:
-                        serving.cancel(entry[0])
-                        entry[1].end()
-                    continue
-                sink = WsSink(outbox, writer, msg.id)
-                if msg.id in running or msg.id in starting:
-                    error = ApiError(400, f"request id {msg.id!r} is already running on this socket")
-                    sink.full(error.status, error.body())
-                    continue
-                starting[msg.id] = False
-                nursery.start_soon(start, msg, sink)
+                session.receive(await websocket.receive())
     finally:
-        for response, _ in running.values():
-            serving.cancel(response)
+        if session is not None:
+            session.close()

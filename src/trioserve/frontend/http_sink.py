@@ -43,6 +43,11 @@ class HttpSink(Sink):
         return bool(self._buf)
 
     @property
+    def backlog_bytes(self) -> int:
+        """Bytes written but not yet taken by the kernel (the peer is behind)."""
+        return len(self._buf)
+
+    @property
     def started(self) -> bool:
         return self._head_sent
 

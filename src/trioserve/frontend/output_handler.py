@@ -5,18 +5,26 @@ request's response (which encodes and writes it, or merges it while its sink is 
 here awaits, so one step costs one task wakeup however many requests it carries, and requests that
 hit a stop string are aborted on the engine in one message at the end of the step (the abort fast
 path: the engine client sends aborts ahead of any queued adds).
+
+The step queue here also remembers when each queued step arrived (trio clock), so the handler and
+admission know the *output delay*: how long engine output waits in this API server before the handler
+takes it. It is near zero while the handler keeps up, and grows with the backlog when it does not —
+the signal ``--max-output-delay-ms`` sheds new requests on.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import trio
+
 from trioserve.frontend.detokenizer import Detokenizer
 from trioserve.frontend.responses import Response, StreamingResponse
-from trioserve.frontend.step_queue import StepQueue
+from trioserve.frontend.step_queue import QueuePolicy, StepQueue
 from trioserve.frontend.stop_strings import StopStringMatcher
 from trioserve.metrics import Metrics
 from trioserve.protocol.messages import EngineOutputs, EngineStats, RequestEvent
@@ -39,15 +47,64 @@ class ChoiceState:
     queued_at: float = 0.0  # the engine's "queued" stamp, until its first "scheduled" one
 
 
+class StampedStepQueue(StepQueue):
+    """The step queue, plus the time (trio clock) each queued step arrived from the output pump and
+    how long the handler takes per step while it is behind.
+
+    A step folded into the last queued one (``coalesce``) keeps that one's stamp: its oldest token has
+    waited since then. Under ``block`` the stamp is taken before the pump waits for room.
+    """
+
+    SMOOTHING = 0.5  # weight of the newest per-step service time in its moving average
+
+    def __init__(self, size: int, policy: QueuePolicy) -> None:
+        super().__init__(size, policy)
+        self._arrived: deque[float] = deque()  # one per queued step, oldest first
+        self.last_wait = 0.0  # how long the step last taken had waited (seconds)
+        self.service_time = 0.0  # seconds per step the handler takes, averaged
+        self._last_taken: float | None = None
+
+    async def put(self, step: EngineOutputs) -> None:
+        now = trio.current_time()
+        coalesced = self.coalesced
+        await super().put(step)
+        if self.coalesced == coalesced:  # appended, not folded (only the pump puts: order holds)
+            self._arrived.append(now)
+
+    async def get(self) -> EngineOutputs:
+        called = trio.current_time()
+        behind = bool(self._arrived)  # a step was already waiting: the handler will not wait for one
+        step = await super().get()
+        now = trio.current_time()
+        self.last_wait = max(0.0, now - self._arrived.popleft())
+        if self._last_taken is not None:
+            # What the last step cost: the whole interval when the handler went straight on to this
+            # one (its own work and everything else the event loop did meanwhile), else its own work
+            # up to asking for the next one.
+            sample = (now if behind else called) - self._last_taken
+            self.service_time += self.SMOOTHING * (sample - self.service_time)
+        self._last_taken = now
+        return step
+
+    def delay_estimate(self, now: float) -> float:
+        """How long output produced now would wait before the handler takes it: at least as long as
+        the oldest queued step has waited, and at least the queued steps times the time per step."""
+        if not self._arrived:
+            return 0.0
+        return max(now - self._arrived[0], len(self._arrived) * self.service_time)
+
+
 class OutputHandler:
     def __init__(self, abort: Callable[[list[str]], None], metrics: Metrics) -> None:
         self._abort = abort
         self.metrics = metrics
+        self.steps: StampedStepQueue | None = None  # set by ``run``
         self.choices: dict[str, ChoiceState] = {}
         self.engine_stats: dict[int, EngineStats] = {}
         # Under the "stall" stream policy: responses whose clients fell behind during the last step;
         # the next step waits until they have caught up.
         self.stalled: list[StreamingResponse] = []
+        self.stalled_waiting = 0  # slow clients the handler is waiting on right now ("stall")
 
     def register(self, choice: ChoiceState) -> None:
         self.choices[choice.request_id] = choice
@@ -56,11 +113,24 @@ class OutputHandler:
         """Drop these requests; returns the ones that were still running (the caller aborts them)."""
         return [rid for rid in request_ids if self.choices.pop(rid, None) is not None]
 
+    def output_delay(self) -> float:
+        """How long engine output produced now would wait for this handler (seconds; 0 if none
+        waits): what admission's ``--max-output-delay-ms`` compares."""
+        steps = self.steps
+        return steps.delay_estimate(trio.current_time()) if steps is not None else 0.0
+
     async def run(self, steps: StepQueue) -> None:
+        stamped = steps if isinstance(steps, StampedStepQueue) else None
+        self.steps = stamped
         while True:
-            self.process(await steps.get())
+            step = await steps.get()
+            if stamped is not None:
+                self.metrics.output_delay.observe(stamped.last_wait)
+            self.process(step)
             while self.stalled:
+                self.stalled_waiting = len(self.stalled)
                 await self.stalled.pop().wait_drained()
+            self.stalled_waiting = 0
 
     def process(self, step: EngineOutputs) -> None:
         self.engine_stats[step.engine_index] = step.stats

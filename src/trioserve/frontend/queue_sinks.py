@@ -1,10 +1,16 @@
-"""Sinks for transports that are written by a task: the ASGI path and WebSocket.
+"""Sinks for the ASGI path and for WebSocket.
 
-Each keeps framed bytes in a list until its writer takes them. "Backlogged" means the writer has not
-taken them yet, so deltas that arrive meanwhile are merged by the response (one-slot collector).
+``SseQueueSink`` keeps framed bytes in a list until its writer task takes them. ``WsSink`` writes one
+request's messages to its socket's ``WsWriter``: the fast path's socket writer (``ws_server.py``,
+non-blocking sends from the output handler, no task wakeup per message) or the ASGI path's outbox.
+"Backlogged" means earlier bytes still wait for the peer, so deltas that arrive meanwhile are merged by
+the response (one-slot collector).
 """
 
 from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import msgspec
 
@@ -48,40 +54,112 @@ class SseQueueSink(Sink):
         return data
 
 
+class WsWriter(ABC):
+    """One WebSocket's outgoing messages, shared by every request on the socket. ``send`` never
+    blocks; ``backlogged`` is True while earlier messages are still waiting for the peer, and then
+    every request on the socket merges its deltas. The transport frames each JSON message."""
+
+    __slots__ = ()
+
+    @property
+    @abstractmethod
+    def backlogged(self) -> bool:
+        """True while earlier messages are still waiting for the peer."""
+
+    @abstractmethod
+    def send(self, message: bytes) -> None:
+        """One JSON text message."""
+
+    def send_many(self, messages: list[bytes]) -> None:
+        for message in messages:
+            self.send(message)
+
+
+class OutboxWriter(WsWriter):
+    """Messages wait in a list until a writer task (the ASGI path) takes them."""
+
+    __slots__ = ("outbox", "waker")
+
+    def __init__(self) -> None:
+        self.outbox: list[bytes] = []
+        self.waker = Waker()
+
+    @property
+    def backlogged(self) -> bool:
+        return bool(self.outbox)
+
+    def send(self, message: bytes) -> None:
+        self.outbox.append(message)
+        self.waker.set()
+
+    def send_many(self, messages: list[bytes]) -> None:
+        self.outbox += messages
+        self.waker.set()
+
+    def take(self) -> list[bytes]:
+        batch = self.outbox
+        self.outbox = []
+        return batch
+
+
+class _NoWake(Waker):
+    """WebSocket sinks have no task to wake when a response finishes: the socket's writer is woken
+    by the writer itself when it has bytes waiting."""
+
+    __slots__ = ()
+
+    def set(self) -> None:
+        pass
+
+
+_NO_WAKE = _NoWake()
+_CHUNK = b'{"type":"chunk","id":%b,"data":%b}'
+
+
 class WsSink(Sink):
     """One request on a WebSocket. Messages (documented in docs/websocket.md):
     ``{"type":"chunk","id":ID,"data":CHUNK}``, ``{"type":"done","id":ID}``,
     ``{"type":"response","id":ID,"data":BODY}``, ``{"type":"error","id":ID,"status":S,"error":{...}}``.
+    ``on_final`` is called once the final message is written.
     """
 
-    __slots__ = ("_id", "_outbox", "finished")
+    __slots__ = ("_id", "_on_final", "_out", "finished", "request_id")
 
-    def __init__(self, outbox: list[bytes], writer: Waker, request_tag: str) -> None:
-        super().__init__(writer)
-        self._outbox = outbox
+    def __init__(
+        self, out: WsWriter, request_tag: str, on_final: Callable[[WsSink], None] | None = None
+    ) -> None:
+        super().__init__(_NO_WAKE)
+        self._out = out
+        self.request_id = request_tag
         self._id = msgspec.json.encode(request_tag)
+        self._on_final = on_final
         self.finished = False
 
     @property
     def backlogged(self) -> bool:
-        return bool(self._outbox)
+        return self._out.backlogged
+
+    def event(self, payload: bytes) -> None:
+        self._out.send(_CHUNK % (self._id, payload))
 
     def events(self, payloads: list[bytes]) -> None:
         tag = self._id
-        self._outbox += [b'{"type":"chunk","id":%b,"data":%b}' % (tag, p) for p in payloads]
-        self.waker.set()
+        self._out.send_many([_CHUNK % (tag, p) for p in payloads])
 
     def end(self) -> None:
-        self._outbox.append(b'{"type":"done","id":%b}' % self._id)
-        self.finished = True
-        self.waker.set()
+        self._out.send(b'{"type":"done","id":%b}' % self._id)
+        self._final()
 
     def full(self, status: int, body: bytes) -> None:
         if status == 200:
-            self._outbox.append(b'{"type":"response","id":%b,"data":%b}' % (self._id, body))
+            self._out.send(b'{"type":"response","id":%b,"data":%b}' % (self._id, body))
         else:
             error = msgspec.json.decode(body)["error"]
             message = b'{"type":"error","id":%b,"status":%d,"error":%b}'
-            self._outbox.append(message % (self._id, status, msgspec.json.encode(error)))
+            self._out.send(message % (self._id, status, msgspec.json.encode(error)))
+        self._final()
+
+    def _final(self) -> None:
         self.finished = True
-        self.waker.set()
+        if self._on_final is not None:
+            self._on_final(self)

@@ -99,6 +99,11 @@ class StreamingResponse(Response):
         self.merged_deltas = 0
         self.content_events = 0  # chunks that carried a delta (not role or usage chunks)
 
+    @property
+    def merged_tokens(self) -> int:
+        """Tokens merged and waiting for the client to catch up (0 while it keeps up)."""
+        return self._pending_tokens if self._pending else 0
+
     async def wait_drained(self) -> None:
         """Until the client has taken what was waiting (or the response is over)."""
         if self.done or not self.sink.backlogged:

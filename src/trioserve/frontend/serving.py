@@ -75,6 +75,7 @@ class Serving:
                 max_pending_renders=config.max_pending_renders,
                 max_num_seqs_waiting=config.max_num_seqs_waiting,
                 max_loop_lag=config.max_loop_lag_ms / 1e3,
+                max_output_delay=config.max_output_delay_ms / 1e3,
             )
         )
         self.active: set[Response] = set()
@@ -124,6 +125,7 @@ class Serving:
             raise ApiError(503, f"the engine is unavailable: {self.dead_reason}")
         admission = self.admission
         admission.engine_waiting = sum(s.num_waiting for s in self.handler.engine_stats.values())
+        admission.observe_output_delay(self.handler.output_delay())
         ticket = admission.admit()  # reserved before rendering ...
         try:
             with admission.rendering_slot():

@@ -1,0 +1,337 @@
+"""The WebSocket route ``/v1/ws`` (docs/websocket.md): its protocol and its fast path.
+
+``WsSession`` is the protocol of one socket (requests, cancels, ids, final messages), whatever carries
+it. A connection whose first request is a WebSocket upgrade of ``/v1/ws`` is carried here, on the accept
+loop's socket, the way the HTTP fast path carries SSE: the output handler writes each message (one
+unmasked text frame, framed by hand) with a non-blocking ``send``, so no task wakes per token. Whatever
+the kernel does not take waits in the connection's buffer; while it is non-empty every request on the
+socket is backlogged and merges its deltas (or queues, stalls, aborts: ``--stream-policy``), and a
+drain task sends the rest once the socket is writable, then lets the merged deltas out. A reader task
+parses the client's frames with wsproto (masking, fragments, ping, close), so cancels and EOF are seen
+even while the writer is behind. Any other handed-off connection (and an upgrade on a keep-alive
+connection that hypercorn already owns) goes to hypercorn and the quart route, which runs the same
+``WsSession`` over an ASGI writer task.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import socket
+from typing import Any
+
+import h11
+import msgspec
+import trio
+from wsproto.connection import Connection, ConnectionType
+from wsproto.events import BytesMessage, CloseConnection, Ping, TextMessage
+from wsproto.utilities import LocalProtocolError
+
+from trioserve.frontend.chunks import Kind
+from trioserve.frontend.errors import ApiError, error_body
+from trioserve.frontend.http_server import Handoff
+from trioserve.frontend.queue_sinks import WsSink, WsWriter
+from trioserve.frontend.responses import Response
+from trioserve.frontend.serving import Serving
+from trioserve.sync import Waker
+
+WS_PATH = b"/v1/ws"
+_GET_WS = b"GET " + WS_PATH
+_GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"  # RFC 6455 section 1.3
+_RECV = 65536
+_MAX_HEAD = 64 * 1024
+_GOING_AWAY = b"\x88\x02\x03\xe9"  # close frame, code 1001: the server is stopping
+
+
+class WsRequest(msgspec.Struct, tag_field="type", tag="request"):
+    id: str
+    body: dict[str, Any]
+    endpoint: str = "chat.completions"
+
+
+class WsCancel(msgspec.Struct, tag_field="type", tag="cancel"):
+    id: str
+
+
+_decoder = msgspec.json.Decoder(WsRequest | WsCancel)
+_ENDPOINTS: dict[str, Kind] = {"chat.completions": "chat", "completions": "completion"}
+
+
+class WsSession:
+    """The requests of one socket. ``receive`` handles one client message without awaiting (a request
+    is started in ``nursery``: rendering awaits); ``drained`` is called when the socket caught up;
+    ``close`` when it is gone (its running requests are cancelled)."""
+
+    def __init__(self, serving: Serving, out: WsWriter, nursery: trio.Nursery) -> None:
+        self._serving = serving
+        self._out = out
+        self._nursery = nursery
+        self.running: dict[str, tuple[Response, WsSink]] = {}
+        self._starting: dict[str, bool] = {}  # ids being rendered -> cancelled meanwhile
+
+    def receive(self, raw: bytes | str) -> None:
+        try:
+            msg = _decoder.decode(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self.refuse(400, f"bad message: {exc}")
+            return
+        if isinstance(msg, WsCancel):
+            if msg.id in self._starting:
+                self._starting[msg.id] = True  # ``_start`` ends it once rendering returns
+            entry = self.running.pop(msg.id, None)
+            if entry is not None:
+                self._serving.cancel(entry[0])
+                entry[1].end()
+            return
+        sink = WsSink(self._out, msg.id, self._finished)
+        if msg.id in self.running or msg.id in self._starting:
+            error = ApiError(400, f"request id {msg.id!r} is already running on this socket")
+            sink.full(error.status, error.body())
+            return
+        self._starting[msg.id] = False
+        self._nursery.start_soon(self._start, msg, sink)
+
+    def refuse(self, status: int, message: str) -> None:
+        """An error for a message that names no request (``"id": null``); the socket stays open."""
+        error = msgspec.json.decode(error_body(status, message))["error"]
+        self._out.send(msgspec.json.encode({"type": "error", "id": None, "status": status, "error": error}))
+
+    async def _start(self, msg: WsRequest, sink: WsSink) -> None:
+        kind = _ENDPOINTS.get(msg.endpoint)
+        try:
+            if kind is None:
+                raise ApiError(400, f"unknown endpoint {msg.endpoint!r}; use one of {sorted(_ENDPOINTS)}")
+            response = await self._serving.start(kind, msgspec.json.encode(msg.body), sink)
+        except ApiError as exc:
+            sink.full(exc.status, exc.body())
+            return
+        finally:
+            cancelled = self._starting.pop(msg.id)
+        if cancelled:
+            self._serving.cancel(response)
+            sink.end()
+        elif not response.done:
+            self.running[msg.id] = (response, sink)
+
+    def _finished(self, sink: WsSink) -> None:
+        entry = self.running.get(sink.request_id)
+        if entry is not None and entry[1] is sink:
+            del self.running[sink.request_id]
+
+    def drained(self) -> None:
+        """The socket caught up: what each request merged meanwhile goes out now."""
+        for response, _ in list(self.running.values()):
+            response.on_drained()
+
+    def close(self) -> None:
+        """The socket is gone (its writer drops messages from now on): cancel what still runs."""
+        running = list(self.running.values())
+        self.running.clear()
+        for response, _ in running:
+            response.on_drained()  # releases an output handler that waits for it (``stall``)
+            if not response.done:
+                self._serving.cancel(response)
+
+
+def text_frame(message: bytes) -> bytes:
+    """One final, unmasked text frame (servers never mask)."""
+    n = len(message)
+    if n < 126:
+        return b"\x81%c%b" % (n, message)
+    if n < 65536:
+        return b"\x81\x7e%c%c%b" % (n >> 8, n & 0xFF, message)
+    return b"\x81\x7f%b%b" % (n.to_bytes(8, "big"), message)
+
+
+def accept_key(key: bytes) -> bytes:
+    """The ``Sec-WebSocket-Accept`` answer to ``Sec-WebSocket-Key: key``."""
+    return base64.b64encode(hashlib.sha1(key + _GUID).digest())
+
+
+def upgrade_response(prefix: bytes) -> tuple[bytes, bytes] | None:
+    """If ``prefix`` (the bytes read so far) is a WebSocket upgrade of ``/v1/ws``: the ``101``
+    response and the bytes after the request. None for anything else (hypercorn answers it)."""
+    if not (prefix.startswith(_GET_WS) and prefix[len(_GET_WS) : len(_GET_WS) + 1] in (b" ", b"?")):
+        return None
+    conn = h11.Connection(h11.SERVER, max_incomplete_event_size=_MAX_HEAD)
+    conn.receive_data(prefix)
+    try:
+        request = conn.next_event()
+        end = conn.next_event()
+    except h11.RemoteProtocolError:
+        return None
+    if not isinstance(request, h11.Request) or not isinstance(end, h11.EndOfMessage):
+        return None
+    headers = dict(request.headers)  # h11 lower-cases names
+    tokens = [t.strip().lower() for t in headers.get(b"connection", b"").split(b",")]
+    key = headers.get(b"sec-websocket-key")
+    if (
+        b"upgrade" not in tokens
+        or headers.get(b"upgrade", b"").lower() != b"websocket"
+        or headers.get(b"sec-websocket-version") != b"13"
+        or not key
+    ):
+        return None
+    head = conn.send(
+        h11.InformationalResponse(
+            status_code=101,
+            reason=b"Switching Protocols",
+            headers=[
+                (b"upgrade", b"websocket"),
+                (b"connection", b"Upgrade"),
+                (b"sec-websocket-accept", accept_key(key)),
+            ],
+        )
+    )
+    return head or b"", conn.trailing_data[0]
+
+
+class WsConnection(WsWriter):
+    """One upgraded socket: the writer its requests share, a reader task and a drain task."""
+
+    __slots__ = ("_buf", "_max_message", "_serving", "_session", "_sock", "_waker", "closed")
+
+    def __init__(self, sock: socket.socket, serving: Serving) -> None:
+        self._sock = sock
+        self._serving = serving
+        self._buf = bytearray()  # bytes the kernel has not taken yet
+        self._waker = Waker()  # wakes the drain task when ``_buf`` fills or the socket failed
+        self._session: WsSession | None = None
+        self._max_message = serving.config.max_request_body_bytes + 65536
+        self.closed = False  # the socket failed: writes are dropped
+
+    @property
+    def backlogged(self) -> bool:
+        return bool(self._buf)
+
+    def send(self, message: bytes) -> None:
+        self._write(text_frame(message))
+
+    def send_many(self, messages: list[bytes]) -> None:
+        self._write(b"".join([text_frame(m) for m in messages]))
+
+    def _write(self, data: bytes) -> None:
+        if self.closed:
+            return
+        if self._buf:
+            self._buf += data
+            return
+        try:
+            sent = self._sock.send(data)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            self.closed = True
+            self._waker.set()
+            return
+        if sent < len(data):
+            self._buf += memoryview(data)[sent:]
+            self._waker.set()
+
+    async def run(self, head: bytes, leftover: bytes) -> None:
+        """Serve the socket until the client leaves (or the server stops); ``head`` is the 101."""
+        self._write(head)
+        ws = Connection(ConnectionType.SERVER, trailing_data=leftover)
+        peer_done = False
+        try:
+            async with trio.open_nursery() as nursery:
+                self._session = WsSession(self._serving, self, nursery)
+                nursery.start_soon(self._drain, nursery.cancel_scope)
+                await self._read(ws, self._session)
+                peer_done = True
+                nursery.cancel_scope.cancel()
+        finally:
+            if not (peer_done or self.closed or self._buf):
+                with contextlib.suppress(OSError):
+                    self._sock.send(_GOING_AWAY)
+            self.closed = True
+            if self._session is not None:
+                self._session.close()
+
+    async def _read(self, ws: Connection, session: WsSession) -> None:
+        """Client messages, until a close frame, EOF or a protocol error. A message over the size
+        limit is dropped as it arrives (wsproto hands over partial frames) and refused with a 413."""
+        text: list[str] = []
+        binary = bytearray()
+        size = 0
+        while True:
+            for event in ws.events():
+                if isinstance(event, TextMessage | BytesMessage):
+                    size += len(event.data)
+                    if size > self._max_message:
+                        text.clear()
+                        binary.clear()
+                    elif isinstance(event, TextMessage):
+                        text.append(event.data)
+                    else:
+                        binary += event.data
+                    if not event.message_finished:
+                        continue
+                    if size > self._max_message:
+                        session.refuse(413, f"message is larger than the limit of {self._max_message} bytes")
+                    elif isinstance(event, TextMessage):
+                        session.receive("".join(text))
+                    else:
+                        session.receive(bytes(binary))
+                    text.clear()
+                    binary.clear()
+                    size = 0
+                elif isinstance(event, Ping):
+                    self._write(ws.send(event.response()))
+                elif isinstance(event, CloseConnection):
+                    with contextlib.suppress(LocalProtocolError):
+                        self._write(ws.send(event.response()))
+                    return
+            data = await self._recv()
+            if not data:
+                return
+            ws.receive_data(data)
+
+    async def _recv(self) -> bytes:
+        while True:
+            try:
+                return self._sock.recv(_RECV)
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(self._sock)
+            except OSError:
+                return b""
+
+    async def _drain(self, scope: trio.CancelScope) -> None:
+        """Sends what the kernel did not take, then lets merged deltas out; ends the connection if
+        the socket fails."""
+        sock = self._sock
+        while not self.closed:
+            if not self._buf:
+                await self._waker.wait()
+                continue
+            await trio.lowlevel.wait_writable(sock)
+            try:
+                sent = sock.send(self._buf)
+            except BlockingIOError:
+                continue
+            except OSError:
+                self.closed = True
+                break
+            del self._buf[:sent]
+            if not self._buf and self._session is not None:
+                self._session.drained()
+        scope.cancel()
+
+
+def websocket_handoff(serving: Serving, fallback: Handoff) -> Handoff:
+    """Wraps the accept loop's handoff: WebSocket upgrades of ``/v1/ws`` are served here, anything
+    else goes on to ``fallback`` (hypercorn)."""
+
+    async def handoff(sock: socket.socket, prefix: bytes) -> None:
+        upgrade = upgrade_response(prefix)
+        if upgrade is None:
+            await fallback(sock, prefix)
+            return
+        try:
+            await WsConnection(sock, serving).run(*upgrade)
+        finally:
+            trio.lowlevel.notify_closing(sock)
+            sock.close()
+
+    return handoff
