@@ -13,7 +13,8 @@ Settings:
 - ``defaults``: trioserve's defaults (no extra flags);
 - ``no-delay-gate``: the defaults without output-delay shedding (``--max-output-delay-ms 0``: the
   defaults before it existed);
-- ``max-concurrent-256``: the defaults with ``--max-concurrent-requests 256`` (the 429 path).
+- ``max-concurrent-256``: the defaults with ``--max-concurrent-requests 256`` (the 429 path);
+- ``queue-64``: the defaults with the output queue of 64 engine steps they had before (now 2).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ SETTINGS: dict[str, list[str]] = {
     "defaults": [],
     "no-delay-gate": ["--max-output-delay-ms=0"],
     "max-concurrent-256": ["--max-concurrent-requests=256"],
+    "queue-64": ["--output-queue-size=64"],
 }
 
 

@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--max-request-body-bytes", type=_positive, default=4 * 1024 * 1024)
     serve.add_argument("--max-n", type=_positive, default=16, help="largest accepted `n`")
-    serve.add_argument("--output-queue-size", type=_positive, default=64, help="engine steps")
+    serve.add_argument("--output-queue-size", type=_positive, default=2, help="engine steps")
     serve.add_argument(
         "--output-queue-policy", choices=["coalesce", "block", "unbounded"], default="coalesce"
     )

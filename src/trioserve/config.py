@@ -44,7 +44,7 @@ class ServeConfig:
     renderer_num_workers: int = 1
     max_request_body_bytes: int = 4 * 1024 * 1024
     max_n: int = 16
-    output_queue_size: int = 64  # engine steps buffered between the output pump and output handler
+    output_queue_size: int = 2  # engine steps queued between the output pump and output handler
     output_queue_policy: Literal["coalesce", "block", "unbounded"] = "coalesce"
     stream_policy: StreamPolicy = field(default_factory=StreamPolicy)  # output handler -> each request
     slow_client_max_tokens: int = 256  # abort-slow-client: how far behind a client may fall

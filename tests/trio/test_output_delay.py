@@ -51,6 +51,9 @@ async def run_load(tokenizer: Tokenizer, clients: int, spacing: float, **config:
     outcomes: list[Outcome | None] = [None] * clients
     metrics, after = "", 0
     async with trio.open_nursery() as nursery:
+        # A deep output queue, so that a handler that falls behind shows as steps waiting (the
+        # default queue of 2 folds them instead, which bounds the wait and hides it from the gate).
+        config = {"output_queue_size": 64, **config}
         stack = await start_stack(nursery, tokenizer, replace(BASE_CONFIG, **config))
         queue, handler = stack.api.steps, stack.api.handler
         fast_get = queue.get
