@@ -26,6 +26,26 @@ _SSE_HEADERS = [
 _DONE = b"data: [DONE]\n\n"
 
 
+def send_or_buffer(sock: socket.socket, buf: bytearray, data: bytes) -> bool | None:
+    """Write ``data`` without blocking, keeping order: behind bytes already buffered, else straight to
+    the kernel, with what it does not take appended to ``buf``. Returns True when a backlog has just
+    started (the owner wakes its drain task), False when there is nothing new to do (all sent, or
+    queued behind a backlog the drain task already knows of), None when the peer is gone."""
+    if buf:
+        buf += data
+        return False
+    try:
+        sent = sock.send(data)
+    except BlockingIOError:
+        sent = 0
+    except OSError:
+        return None
+    if sent < len(data):
+        buf += memoryview(data)[sent:]
+        return True
+    return False
+
+
 class HttpSink(Sink):
     __slots__ = ("_buf", "_chunked", "_conn", "_head_sent", "_sock")
 
@@ -91,20 +111,11 @@ class HttpSink(Sink):
     def _write(self, data: bytes) -> None:
         if self.closed:
             return
-        if self._buf:
-            self._buf += data
-            return
-        try:
-            sent = self._sock.send(data)
-        except BlockingIOError:
-            sent = 0
-        except OSError:
+        backlog = send_or_buffer(self._sock, self._buf, data)
+        if backlog is None:
             self.closed = True
-            self.waker.set()
-            return
-        if sent < len(data):
-            self._buf += memoryview(data)[sent:]
-            self.waker.set()
+        if backlog is not False:
+            self.waker.set()  # the connection task drains the rest (or sees the peer gone)
 
     async def flush(self) -> None:
         """Wait until every buffered byte is in the kernel (or the peer is gone)."""

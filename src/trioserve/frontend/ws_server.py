@@ -31,6 +31,7 @@ from wsproto.utilities import LocalProtocolError
 from trioserve.frontend.chunks import Kind
 from trioserve.frontend.errors import ApiError, error_body
 from trioserve.frontend.http_server import Handoff
+from trioserve.frontend.http_sink import send_or_buffer
 from trioserve.frontend.queue_sinks import WsSink, WsWriter
 from trioserve.frontend.responses import Response
 from trioserve.frontend.serving import Serving
@@ -214,20 +215,11 @@ class WsConnection(WsWriter):
     def _write(self, data: bytes) -> None:
         if self.closed:
             return
-        if self._buf:
-            self._buf += data
-            return
-        try:
-            sent = self._sock.send(data)
-        except BlockingIOError:
-            sent = 0
-        except OSError:
+        backlog = send_or_buffer(self._sock, self._buf, data)
+        if backlog is None:
             self.closed = True
-            self._waker.set()
-            return
-        if sent < len(data):
-            self._buf += memoryview(data)[sent:]
-            self._waker.set()
+        if backlog is not False:
+            self._waker.set()  # the drain task sends the rest (or sees the peer gone)
 
     async def run(self, head: bytes, leftover: bytes) -> None:
         """Serve the socket until the client leaves (or the server stops); ``head`` is the 101."""
