@@ -58,7 +58,8 @@ def run_worker(config: WorkerConfig) -> int:
     set_title("Worker" if config.rank == 0 else f"Worker_TP{config.rank}")
     setup_logging(config.log_level)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    transformers.utils.logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # a log line says how long
+    # No tqdm bars in the server's log: the runner logs one line saying how long loading took.
+    transformers.utils.logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     steps = RingReader.attach(config.steps_ring)
     results = RingWriter.attach(config.results_ring) if config.results_ring else None
     encoder = msgspec.msgpack.Encoder()
