@@ -98,7 +98,6 @@ class WorkerExecutor:
         self._codec = worker_output_codec()
         self.failure: ExecutorFailed | None = None
         self.on_failure: Callable[[], None] = lambda: None  # the engine core wakes its busy loop here
-        self.forward_seconds = 0.0
         self._stopping = False
 
     async def execute(self, step: SchedulerOutput) -> dict[str, list[int]]:
@@ -116,7 +115,6 @@ class WorkerExecutor:
             raise self._fail(f"worker 0 took more than {self.config.step_timeout:g} s on step {step.step}")
         if not isinstance(message, StepResult) or message.step != step.step:
             raise self._fail(f"worker 0 answered step {step.step} with {message!r}")
-        self.forward_seconds += message.forward_seconds
         return message.sampled
 
     async def _read(self) -> WorkerOutput:

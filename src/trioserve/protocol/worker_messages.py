@@ -33,7 +33,6 @@ class WorkerReady(_Wire, tag="ready"):
 class StepResult(_Wire, tag="result"):
     step: int  # the SchedulerOutput.step it answers
     sampled: dict[str, list[int]]
-    forward_seconds: float = 0.0  # time in the model, for the engine's metrics
 
 
 class WorkerFailed(_Wire, tag="failed"):

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import time
 from dataclasses import dataclass
 
 import msgspec
@@ -89,14 +88,13 @@ def run_worker(config: WorkerConfig) -> int:
                 case WorkerShutdown():
                     return 0
                 case WorkerStep(step=step):
-                    started = time.perf_counter()
                     try:
                         sampled = runner.execute(step)
                     except Exception as exc:
                         log.exception("worker %d failed in step %d", config.rank, step.step)
                         answer(WorkerFailed(config.rank, f"step {step.step} failed: {exc!r}"))
                         return 1
-                    answer(StepResult(step.step, sampled, time.perf_counter() - started))
+                    answer(StepResult(step.step, sampled))
     finally:
         steps.close()
         if results is not None:
