@@ -273,7 +273,9 @@ def run_point(args: argparse.Namespace, kind: str, clients: int, log_dir: Path) 
     port = free_port()
     tag = f"{next(_run_ids):02d}-{kind}-{clients}"
     py = sys.executable
-    label = "trivial baseline" if kind == "baseline" else "trioserve"
+    label = {"baseline": "trivial baseline", "pooled": "trioserve, models listed first"}.get(
+        kind, "trioserve"
+    )
     with managed([]) as procs:
         if kind == "baseline":
             argv = [py, str(BENCH_DIR / "trivial_sse_server.py"), "--port", str(port)]
@@ -310,6 +312,8 @@ def run_point(args: argparse.Namespace, kind: str, clients: int, log_dir: Path) 
         lg += ["--input-words", str(args.input_words), "--ramp", str(args.ramp)]
         lg += ["--warmup", str(args.warmup), "--duration", str(args.duration)]
         lg += ["--result-file", str(result_path), "--io", args.client_io]
+        if kind == "pooled":
+            lg += ["--list-models-first"]
         for name, pid in watch.items():
             lg += ["--watch", f"{name}={pid}"]
         loadgen = spawn(f"{tag}-loadgen", lg, args.client_cpu, log_dir, args.nice)
@@ -505,6 +509,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline-only", action="store_true", help="measure only the trivial SSE server")
     ap.add_argument("--baseline-tokens-per-event", type=int, default=1)
     ap.add_argument(
+        "--pooled",
+        action="store_true",
+        help="also measure SDK-style pooled clients: each connection lists the models before streaming",
+    )
+    ap.add_argument(
         "--client-io",
         choices=("epoll", "tasks"),
         default="epoll",
@@ -547,6 +556,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.baseline_only
         else (["baseline", "trioserve"] if args.baseline else ["trioserve"])
     )
+    if args.pooled and not args.baseline_only:
+        kinds.append("pooled")
     log_dir = Path(tempfile.mkdtemp(prefix="frontend_cost."))
     rows: list[Row] = []
     try:
@@ -554,8 +565,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 rows.append(run_point(args, kind, n, log_dir))
             except RuntimeError as e:
-                label = "trivial baseline" if kind == "baseline" else "trioserve"
-                rows.append(Row(label, n, None, str(e)))
+                rows.append(Row(kind, n, None, str(e)))
     except (KeyboardInterrupt, Interrupted) as e:
         status = 128 + (e.signum if isinstance(e, Interrupted) else signal.SIGINT)
         print("[bench] interrupted; every started process was stopped", file=sys.stderr)

@@ -823,6 +823,7 @@ class LoadGen:
         transport: str = "sse",
         ignore_eos: bool = True,
         ws_path: str = "/v1/ws",
+        list_models_first: bool = False,
     ) -> None:
         if endpoint not in ("chat", "completions"):
             raise ValueError(f"endpoint {endpoint!r}: chat or completions")
@@ -837,6 +838,7 @@ class LoadGen:
         self.transport = transport
         self.ignore_eos = ignore_eos
         self.ws_path = ws_path
+        self.list_models_first = list_models_first  # as the openai SDK's pooled connections do
         self.num_prompts = num_prompts  # None: unbounded (duration mode)
         self.sent = 0  # requests started (each takes the next prompt)
         self.stopped_clients = 0  # clients done because every prompt was sent
@@ -1009,6 +1011,12 @@ class LoadGen:
                     sock.close()
                     self._fail("ws handshake", why)
                     return None
+            elif not err and self.list_models_first:
+                why = await self._list_models(sock)
+                if why is not None:
+                    sock.close()
+                    self._fail("GET /v1/models", why)
+                    return None
         except BaseException:
             sock.close()
             raise
@@ -1018,6 +1026,39 @@ class LoadGen:
             self._fail("connect", os.strerror(err))
             return None
         return sock
+
+    async def _list_models(self, sock: socket.socket) -> str | None:
+        """``GET /v1/models`` on a fresh keep-alive connection before its first completion, as an
+        SDK client that listed the models first would; returns why it failed, or None."""
+        req = f"GET /v1/models HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n\r\n".encode()
+        try:
+            await self._send_all(sock, req)
+            buf = b""
+            length = -1
+            while length < 0 or len(buf) < length:
+                await trio.lowlevel.wait_readable(sock)
+                try:
+                    data = sock.recv(65536)
+                except BlockingIOError:
+                    continue
+                if not data:
+                    return "closed before the response ended"
+                buf += data
+                if length < 0 and b"\r\n\r\n" in buf:
+                    head, _, buf = buf.partition(b"\r\n\r\n")
+                    if head.split(b" ")[1:2] != [b"200"]:
+                        return head.split(b"\r\n")[0].decode(errors="replace")
+                    sizes = [
+                        ln.split(b":", 1)[1]
+                        for ln in head.lower().split(b"\r\n")
+                        if ln.startswith(b"content-length:")
+                    ]
+                    if not sizes:
+                        return "no content-length"
+                    length = int(sizes[0])
+        except OSError as e:
+            return str(e)
+        return None if len(buf) == length else "data after the response"
 
     async def _ws_handshake(self, sock: socket.socket) -> str | None:
         """Upgrade a fresh connection to a WebSocket; returns why it failed, or None."""
@@ -1725,6 +1766,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--ws-path", default="/v1/ws")
     ap.add_argument(
+        "--list-models-first",
+        action="store_true",
+        help="each connection sends GET /v1/models before its first completion (an SDK-style pooled client)",
+    )
+    ap.add_argument(
         "--output-len",
         "--random-output-len",
         dest="output_len",
@@ -1814,6 +1860,7 @@ def main(argv: list[str] | None = None) -> int:
         transport=args.transport,
         ignore_eos=args.ignore_eos,
         ws_path=args.ws_path,
+        list_models_first=args.list_models_first,
     )
     watch = _parse_watch(args.watch)
     if args.num_prompts is not None:

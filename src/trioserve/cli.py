@@ -92,6 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--renderer-num-workers", type=_non_negative, default=1, help="threads; 0 = on the event loop"
     )
     serve.add_argument("--max-request-body-bytes", type=_positive, default=4 * 1024 * 1024)
+    serve.add_argument(
+        "--max-connections",
+        type=_non_negative,
+        default=0,
+        help="client connections an API server holds open; one more is closed at once "
+        "(counted in /metrics as trioserve:connections_refused_total). 0: no limit (default)",
+    )
     serve.add_argument("--max-n", type=_positive, default=16, help="largest accepted `n`")
     serve.add_argument("--output-queue-size", type=_positive, default=2, help="engine steps")
     serve.add_argument(
@@ -131,6 +138,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--shutdown-timeout", type=float, default=5.0)
     serve.add_argument("--engine-ready-timeout", type=float, default=120.0)
+    serve.add_argument(
+        "--engine-restart",
+        choices=["always", "never"],
+        default="always",
+        help="when the engine core dies (exits, or reports a fatal error such as a dead worker): "
+        "always (default): fail the requests in flight, answer 503 with Retry-After, and start a new "
+        "engine core and workers after a backoff (0.5 s doubling to 30 s; back to 0.5 s once an engine "
+        "has run for 60 s); never: fail the requests in flight, drain and exit with code 1, for a "
+        "supervisor that restarts processes. Not for --engine external",
+    )
     serve.add_argument("--vocab-size", type=_positive, default=32000, help="mock engine vocabulary")
     serve.add_argument("--step-interval-us", type=_non_negative, default=0, help="mock engine step clock")
     serve.add_argument("--mock-seed", type=int, default=0)

@@ -43,6 +43,7 @@ class ServeConfig:
     max_num_seqs: int = 1024
     renderer_num_workers: int = 1
     max_request_body_bytes: int = 4 * 1024 * 1024
+    max_connections: int = 0  # connections an API server holds open; more are closed at once; 0: no limit
     max_n: int = 16
     output_queue_size: int = 2  # engine steps queued between the output pump and output handler
     output_queue_policy: Literal["coalesce", "block", "unbounded"] = "coalesce"
@@ -58,6 +59,8 @@ class ServeConfig:
     max_output_delay_ms: float = 200.0  # shed (503) while engine output waits longer here; 0 = off
     shutdown_timeout: float = 5.0
     engine_ready_timeout: float = 120.0
+    # When the engine core dies: restart it with backoff ("always"), or drain and exit 1 ("never").
+    engine_restart: Literal["always", "never"] = "always"
     log_level: str = "info"
     # Engine core settings, passed to the engine-core process when engine is "model" or "reference".
     block_size: int = 16

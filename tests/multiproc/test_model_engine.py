@@ -46,7 +46,9 @@ def shm_segments() -> set[str]:
 def segments_of(pid: int) -> set[str]:
     """The trioserve shared-memory segments ``pid`` has mapped (other tests may make their own)."""
     maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
-    return {line.rsplit("/", 1)[1] for line in maps if "/dev/shm/trioserve_" in line}
+    # Named "(deleted)" once unlinked (the rings' names go when the worker has attached).
+    lines = [line for line in maps if "/dev/shm/trioserve_" in line]
+    return {line.rsplit("/", 1)[1].removesuffix(" (deleted)") for line in lines}
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,9 @@
 """Raw HTTP/1.x over a trio socket: the bytes ``curl -N`` sees, framing, keep-alive, bad input.
 
-Two server paths answer the generation routes: the fast path (the server's own h11 loop) for a
-connection whose first request is a generation POST, and the ASGI path (hypercorn + quart) for a
-keep-alive connection that started with anything else. Several tests run on both.
+The server's own h11 loop owns every connection and serves the generation routes itself, whatever
+came before a request on its connection; other routes go to the quart app per request. Several tests
+run both on a fresh connection and on one that listed the models first (as the openai SDK's pooled
+connections do), and every SSE response must carry the fast path's own header.
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ TIMEOUT = 30
 
 
 async def connect(server: ServerProcess, path_kind: str = "fast") -> RawHttp:
-    """A connection; for ``asgi`` a ``GET /v1/models`` first moves it onto the ASGI path."""
+    """A connection; for ``models_first`` it has served a ``GET /v1/models`` already."""
     conn = await RawHttp.connect(server.host, server.port)
-    if path_kind == "asgi":
+    if path_kind == "models_first":
         await conn.send(http_request("GET", "/v1/models"))
         models = await conn.read_response()
         assert models.status == 200
@@ -47,6 +48,7 @@ async def connect(server: ServerProcess, path_kind: str = "fast") -> RawHttp:
 def assert_sse_response(response: RawResponse, *, chunked: bool = True) -> list[dict[str, Any]]:
     assert response.status == 200, response.body
     assert (response.header("content-type") or "").startswith("text/event-stream")
+    assert response.header("x-accel-buffering") == "no"  # only the fast path's SSE head has it
     assert response.framing == ("chunked" if chunked else "close")
     return sse_chunks(response.body)
 
@@ -60,7 +62,7 @@ def assert_error_response(response: RawResponse, status: int) -> dict[str, Any]:
 # ---- framing -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path_kind", ["fast", "asgi"])
+@pytest.mark.parametrize("path_kind", ["fast", "models_first"])
 async def test_chunked_sse_framing(server: ServerProcess, path_kind: str) -> None:
     with trio.fail_after(TIMEOUT):
         async with await connect(server, path_kind) as conn:
@@ -84,7 +86,7 @@ async def test_chunked_sse_framing(server: ServerProcess, path_kind: str) -> Non
     assert s.usage["total_tokens"] == s.usage["prompt_tokens"] + 12
 
 
-@pytest.mark.parametrize("path_kind", ["fast", "asgi"])
+@pytest.mark.parametrize("path_kind", ["fast", "models_first"])
 async def test_non_stream_has_content_length(server: ServerProcess, path_kind: str) -> None:
     with trio.fail_after(TIMEOUT):
         async with await connect(server, path_kind) as conn:
@@ -98,18 +100,18 @@ async def test_non_stream_has_content_length(server: ServerProcess, path_kind: s
     assert body["usage"]["completion_tokens"] == 3
 
 
-async def test_fast_and_asgi_paths_stream_the_same_tokens(server: ServerProcess) -> None:
+async def test_fresh_and_reused_connections_stream_the_same_tokens(server: ServerProcess) -> None:
     body = post(CHAT, chat_body(10, stream=True, seed=99, return_token_ids=True))
     summaries = []
     with trio.fail_after(TIMEOUT):
-        for path_kind in ("fast", "asgi"):
+        for path_kind in ("fast", "models_first"):
             async with await connect(server, path_kind) as conn:
                 await conn.send(body)
                 summaries.append(summarize(assert_sse_response(await conn.read_response())))
-    fast, asgi = summaries
-    assert fast.texts == asgi.texts
-    assert fast.token_ids == asgi.token_ids
-    assert fast.finish == asgi.finish == {0: "length"}
+    fast, reused = summaries
+    assert fast.texts == reused.texts
+    assert fast.token_ids == reused.token_ids
+    assert fast.finish == reused.finish == {0: "length"}
 
 
 # ---- keep-alive ------------------------------------------------------------------------------------
@@ -129,9 +131,9 @@ async def test_keep_alive_two_streams_on_fast_path(server: ServerProcess) -> Non
             assert response.json()["usage"]["completion_tokens"] == 2
 
 
-async def test_keep_alive_models_then_stream_uses_asgi_path(server: ServerProcess) -> None:
+async def test_keep_alive_models_then_stream_stays_on_the_fast_path(server: ServerProcess) -> None:
     with trio.fail_after(TIMEOUT):
-        async with await connect(server, "asgi") as conn:
+        async with await connect(server, "models_first") as conn:
             await conn.send(post(CHAT, chat_body(4, stream=True, return_token_ids=True)))
             s = summarize(assert_sse_response(await conn.read_response()))
             assert len(s.token_ids[0]) == 4
@@ -148,7 +150,7 @@ async def test_keep_alive_models_then_stream_uses_asgi_path(server: ServerProces
 
 
 async def test_pipelined_requests(server: ServerProcess) -> None:
-    """Two requests in one write: a stream, then a GET that must be handed to the ASGI path."""
+    """Two requests in one write: a stream, then a GET for the quart app."""
     data = post(CHAT, chat_body(3, stream=True, return_token_ids=True)) + http_request("GET", "/v1/models")
     with trio.fail_after(TIMEOUT):
         async with await connect(server) as conn:
@@ -246,7 +248,7 @@ async def test_expect_100_continue_refused_when_too_large(server: ServerProcess)
 # ---- a client that leaves mid-stream --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path_kind", ["fast", "asgi"])
+@pytest.mark.parametrize("path_kind", ["fast", "models_first"])
 async def test_client_disconnect_mid_stream(slow_server: ServerProcess, path_kind: str) -> None:
     server = slow_server
     with trio.fail_after(TIMEOUT):
@@ -266,7 +268,7 @@ async def test_client_disconnect_mid_stream(slow_server: ServerProcess, path_kin
             await again.send(post(CHAT, chat_body(3, stream=True, return_token_ids=True)))
             s = summarize(assert_sse_response(await again.read_response()))
             assert len(s.token_ids[0]) == 3
-        async with await connect(server, "asgi") as again:
+        async with await connect(server, "models_first") as again:
             await again.send(post(COMPLETIONS, {"prompt": "x", "max_tokens": 2, "ignore_eos": True}))
             assert (await again.read_response()).status == 200
 
@@ -366,7 +368,7 @@ def _bad_cases() -> list[Any]:
     return cases
 
 
-@pytest.mark.parametrize("path_kind", ["fast", "asgi"])
+@pytest.mark.parametrize("path_kind", ["fast", "models_first"])
 @pytest.mark.parametrize(("path", "body", "status"), _bad_cases())
 async def test_bad_request(
     server: ServerProcess, path: str, body: bytes, status: int, path_kind: str
@@ -383,7 +385,7 @@ async def test_bad_request(
             assert (await conn.read_response()).status == 200
 
 
-@pytest.mark.parametrize("path_kind", ["fast", "asgi"])
+@pytest.mark.parametrize("path_kind", ["fast", "models_first"])
 async def test_oversized_body_is_413(server: ServerProcess, path_kind: str) -> None:
     """Announced past --max-request-body-bytes (4 MiB): refused without reading the body."""
     with trio.fail_after(TIMEOUT):
@@ -456,3 +458,42 @@ async def test_curl_no_buffer(server: ServerProcess) -> None:
     assert len(s.token_ids[0]) == 5
     assert s.usage is not None
     assert s.usage["completion_tokens"] == 5
+
+
+@pytest.mark.parametrize("path_kind", ["fast", "models_first"])
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        (CHAT, {**M, "presence_penalty": 0.5}, "presence_penalty"),
+        (CHAT, {**M, "min_p": 2}, "min_p"),
+        (CHAT, {**M, "foo": 1}, "foo"),
+        (CHAT, {"messages": [{"role": "user"}]}, "messages[0].content"),
+        (COMPLETIONS, {"prompt": "x", "logprobs": 0}, "logprobs"),
+        (COMPLETIONS, {"prompt": "x", "stop": ["x" * 1025]}, "stop"),
+    ],
+    ids=["unsupported", "out-of-range", "unknown", "no-content", "completions-logprobs-0", "stop-too-long"],
+)
+async def test_refusals_name_the_parameter(
+    server: ServerProcess, path: str, body: dict[str, Any], param: str, path_kind: str
+) -> None:
+    with trio.fail_after(TIMEOUT):
+        async with await connect(server, path_kind) as conn:
+            await conn.send(post(path, body))
+            error = assert_error_response(await conn.read_response(), 400)
+    assert error["param"] == param
+
+
+@pytest.mark.parametrize("path_kind", ["fast", "models_first"])
+@pytest.mark.parametrize("where", ["chat_template_kwargs", "content-part"])
+async def test_deep_nesting_is_a_400_not_a_500(server: ServerProcess, where: str, path_kind: str) -> None:
+    deep = b"[" * 20_000 + b"]" * 20_000
+    if where == "chat_template_kwargs":
+        body = b'{"messages":[{"role":"user","content":"x"}],"chat_template_kwargs":{"a":%b}}' % deep
+    else:
+        body = b'{"messages":[{"role":"user","content":[{"type":"text","text":"x","z":%b}]}]}' % deep
+    with trio.fail_after(TIMEOUT):
+        async with await connect(server, path_kind) as conn:
+            await conn.send(http_request("POST", CHAT, body))
+            assert_error_response(await conn.read_response(), 400)
+            await conn.send(post(COMPLETIONS, {"prompt": "ok", "max_tokens": 1}))
+            assert (await conn.read_response()).status == 200

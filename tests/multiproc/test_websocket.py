@@ -356,9 +356,9 @@ async def test_cancel_racing_completion_gets_one_final(slow_server: ServerProces
     assert [m["type"] for m in s.seen["r1"].finals] == ["response"]
 
 
-async def test_upgrade_on_a_connection_hypercorn_owns(slow_server: ServerProcess) -> None:
-    """A fresh ``/v1/ws`` upgrade is served on the fast path; an upgrade on a keep-alive connection
-    whose first request went to hypercorn is served by the quart route, with the same protocol."""
+async def test_upgrade_on_a_reused_connection(slow_server: ServerProcess) -> None:
+    """An upgrade on a keep-alive connection that served another route first is served like a fresh
+    one (the accept loop owns every connection), with the same protocol."""
     with trio.fail_after(TIMEOUT):
         raw = await RawHttp.connect(slow_server.host, slow_server.port)
         await raw.send(http_request("GET", "/v1/models"))
@@ -378,3 +378,26 @@ async def test_upgrade_on_a_connection_hypercorn_owns(slow_server: ServerProcess
     assert token_count(s.seen["a"]) == 6
     assert s.seen["b"].final["type"] == "response"
     assert s.seen[None].final["status"] == 400
+
+
+async def test_deeply_nested_messages_cost_only_themselves(slow_server: ServerProcess) -> None:
+    """Nesting too deep to decode is an error without an id; deep but decodable nesting is an error for
+    its id. Either way the socket and its running stream go on (it used to close with 1001)."""
+    deep = "[" * 20_000 + "]" * 20_000
+    body = '{"messages":[{"role":"user","content":"x"}],"chat_template_kwargs":{"a":%s}}'
+    with trio.fail_after(TIMEOUT):
+        async with ws_session(slow_server) as s:
+            await s.request("long", chat_body(40, stream=True, return_token_ids=True))
+            await s.ws.send_message('{"type":"request","id":"lost","body":%s}' % (body % deep))
+            await s.ws.send_message('{"type":"request","id":"deep","body":%s}' % (body % deep[19_900:20_100]))
+            await s.request("no-content", {"messages": [{"role": "user"}]})
+            await s.until_final("long", "deep", "no-content")
+            while None not in s.seen:
+                await s.next()
+            await s.settle()
+    assert s.seen["long"].final["type"] == "done"
+    assert token_count(s.seen["long"]) == 40
+    assert s.seen[None].final["status"] == 400
+    assert s.seen["deep"].final["error"]["param"] == "chat_template_kwargs"
+    assert s.seen["no-content"].final["error"]["param"] == "messages[0].content"
+    assert "lost" not in s.seen

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
+import h11
 import pytest
 import trio
 import trio.lowlevel
@@ -13,7 +15,7 @@ from trio.testing import MockClock
 
 from tests.trio.conftest import BASE_CONFIG, STEP_US, Stack, start_stack
 from tests.trio.test_streaming import CHAT, chat_body
-from trioserve.frontend.queue_sinks import SseQueueSink
+from trioserve.frontend.http_sink import HttpSink
 from trioserve.frontend.tokenizer import Tokenizer
 
 STEP = STEP_US / 1e6
@@ -75,7 +77,8 @@ async def test_slot_is_released_on_every_exit_path(limited: Stack, autojump_cloc
     # The request is cancelled while it renders (server shutdown, a dropped WebSocket).
     with trio.CancelScope() as scope:
         scope.cancel()
-        await serving.start("chat", b'{"messages":[{"role":"user","content":"hi"}]}', SseQueueSink())
+        sink = HttpSink(socket.socketpair()[0], h11.Connection(h11.SERVER))
+        await serving.start("chat", b'{"messages":[{"role":"user","content":"hi"}]}', sink)
     assert admission.in_flight == 0
     assert not serving.active
 

@@ -29,7 +29,13 @@ from tests.trio.test_streaming import chat_body
 from trioserve.config import ServeConfig
 from trioserve.frontend.stream_policy import StreamPolicy
 from trioserve.frontend.tokenizer import Tokenizer
-from trioserve.frontend.ws_server import text_frame, upgrade_response, websocket_handoff
+from trioserve.frontend.ws_server import (
+    READ_PAUSE_BYTES,
+    WsConnection,
+    text_frame,
+    upgrade_response,
+    websocket_upgrade,
+)
 
 STEP = STEP_US / 1e6
 TOKENS = 200
@@ -94,14 +100,9 @@ async def running_stack(tokenizer: Tokenizer, config: ServeConfig = BASE_CONFIG)
             nursery.cancel_scope.cancel()
 
 
-async def _not_handed_on(sock: socket.socket, prefix: bytes) -> None:
-    raise AssertionError(f"the WebSocket fast path handed on {prefix!r}")
-
-
 async def ws_client(stack: Stack, rcvbuf: int | None = None, *, via_accept_loop: bool = False) -> WsClient:
     """A client socket served by the fast path: through the accept loop's connection handler (the
-    wiring), or by ``websocket_handoff`` directly with a fallback that fails (so nothing can reach
-    the quart route unnoticed)."""
+    wiring), or by ``websocket_upgrade`` directly."""
     server_end, client_end = socket.socketpair()
     if rcvbuf is not None:
         for s in (server_end, client_end):
@@ -113,8 +114,8 @@ async def ws_client(stack: Stack, rcvbuf: int | None = None, *, via_accept_loop:
         await client.sock.send(client.ws.send(Request(host="test", target="/v1/ws")))
     else:
         server_end.setblocking(False)
-        handoff = websocket_handoff(stack.api.serving, _not_handed_on)
-        stack.nursery.start_soon(handoff, server_end, client.ws.send(Request(host="test", target="/v1/ws")))
+        upgrade = websocket_upgrade(stack.api.serving)
+        stack.nursery.start_soon(upgrade, server_end, client.ws.send(Request(host="test", target="/v1/ws")))
     event = await client.next_event()
     assert isinstance(event, AcceptConnection), event
     return client
@@ -307,7 +308,41 @@ def test_only_websocket_upgrades_of_the_route_take_the_fast_path() -> None:
     assert response.startswith(b"HTTP/1.1 101 ")
     assert b"sec-websocket-accept: s3pPLMBiTxaQ9kYGzzhZRbK+xOo=" in response  # RFC 6455's example
     assert leftover == b"\x81\x80"  # frames sent early are kept
-    assert upgrade_response(head("/v1/ws")) is None  # plain GET: hypercorn answers it
+    assert upgrade_response(head("/v1/ws")) is None  # plain GET: the accept loop answers 426
     assert upgrade_response(head("/v1/wsx", *upgrade)) is None
     assert upgrade_response(head("/v1/models", *upgrade)) is None
     assert upgrade_response(head("/v1/ws", *upgrade[:2], upgrade[3])) is None  # no version
+
+
+async def test_a_client_that_sends_and_never_reads_meets_backpressure(
+    tokenizer: Tokenizer, autojump_clock: MockClock
+) -> None:
+    """Every invalid message gets an error reply; a client that never reads them must not make the
+    server buffer replies without bound: past READ_PAUSE_BYTES the server stops reading it."""
+    async with running_stack(tokenizer) as stack:
+        server_end, client_end = socket.socketpair()
+        for end in (server_end, client_end):
+            end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)
+            end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
+        server_end.setblocking(False)
+        client = WsClient(trio.socket.from_stdlib_socket(client_end))
+        upgrade = upgrade_response(client.ws.send(Request(host="test", target="/v1/ws")))
+        assert upgrade is not None
+        conn = WsConnection(server_end, stack.api.serving)
+        stack.nursery.start_soon(conn.run, *upgrade)
+        assert isinstance(await client.next_event(), AcceptConnection)
+        frame = client.ws.send(TextMessage(data="x"))  # not JSON: an error reply each
+        sent = 0
+        with trio.move_on_after(20):
+            for _ in range(200_000):
+                await client.sock.send(frame)
+                sent += 1
+        assert sent < 200_000, "the server read everything: nothing held the client back"
+        assert conn.backlog_bytes < READ_PAUSE_BYTES + 65536
+        # It still serves the client once the client reads again (the request queues behind the
+        # invalid messages still unread, so it is sent while the replies are read).
+        with trio.fail_after(25):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(client.request, "r", chat_body(3))
+                assert (await client.until_final("r"))["type"] == "done"
+        assert sum(1 for m in client.messages if m.data["type"] == "error") == sent

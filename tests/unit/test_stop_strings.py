@@ -4,10 +4,15 @@ import itertools
 from collections.abc import Sequence
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trioserve.frontend.stop_strings import StopResult, StopStringMatcher
+from trioserve.frontend.stop_strings import (
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    StopResult,
+    StopStringMatcher,
+)
 
 
 def run(matcher: StopStringMatcher, chunks: Sequence[str]) -> tuple[list[str], str | None]:
@@ -111,6 +116,31 @@ def test_flush_releases_held_text_once() -> None:
     assert matcher.flush() == ""
 
 
+def test_duplicate_and_nested_stops() -> None:
+    # A stop that is a prefix of another completes first and wins.
+    assert StopStringMatcher(["abc", "ab", "ab"]).feed("xabc") == StopResult("x", "ab")
+    # A stop reached only through a failure link ("b" inside "abX") still ends the text there.
+    matcher = StopStringMatcher(["abc", "b"])
+    assert matcher.feed("a") == StopResult("", None)
+    assert matcher.feed("bX") == StopResult("a", "b")
+
+
+def test_held_text_released_after_failed_long_prefix() -> None:
+    matcher = StopStringMatcher(["aaab", "ac"])
+    assert matcher.feed("aaa") == StopResult("", None)
+    # "aaaa" cannot become "aaab" from the front; "aaa" still can.
+    assert matcher.feed("a") == StopResult("a", None)
+    assert matcher.feed("c") == StopResult("aa", "ac")
+
+
+def test_feeding_after_flush_starts_afresh() -> None:
+    matcher = StopStringMatcher(["abc"])
+    assert matcher.feed("xab") == StopResult("x", None)
+    assert matcher.flush() == "ab"
+    # The flushed "ab" is gone: "c" alone cannot complete "abc".
+    assert matcher.feed("c") == StopResult("c", None)
+
+
 def test_unicode_stop() -> None:
     matcher = StopStringMatcher(["。\n"])
     assert matcher.feed("你好。") == StopResult("你好", None)
@@ -176,3 +206,108 @@ def test_streaming_equals_truncation(chunks: list[str], stops: list[str], includ
         assert emitted == expected_text + matched
     else:
         assert emitted == expected_text
+
+
+# --- against a naive reference matcher -------------------------------------------------------
+
+
+class NaiveMatcher:
+    """The documented rule, written as directly as possible: re-scan everything unemitted."""
+
+    def __init__(self, stops: Sequence[str], include: bool) -> None:
+        self.stops = list(stops)
+        self.include = include
+        self.unemitted = ""
+        self.matched: str | None = None
+
+    def feed(self, text: str) -> StopResult:
+        if self.matched is not None:
+            return StopResult("", None)
+        old = len(self.unemitted)
+        self.unemitted += text
+        buffer = self.unemitted
+        # The first end position at which a stop string completes; the longest one there.
+        for end in range(old + 1, len(buffer) + 1):
+            hits = [stop for stop in self.stops if buffer[:end].endswith(stop)]
+            if hits:
+                stop = max(hits, key=len)
+                self.matched = stop
+                self.unemitted = ""
+                return StopResult(buffer[: end if self.include else end - len(stop)], stop)
+        hold = max(
+            (
+                n
+                for n in range(1, len(buffer) + 1)
+                for s in self.stops
+                if n < len(s) and s.startswith(buffer[-n:])
+            ),
+            default=0,
+        )
+        self.unemitted = buffer[len(buffer) - hold :]
+        return StopResult(buffer[: len(buffer) - hold], None)
+
+    def flush(self) -> str:
+        held, self.unemitted = self.unemitted, ""
+        return held
+
+
+# Feeds (text) and flushes (None), in any order, with empty feeds allowed.
+operations = st.lists(st.one_of(st.text(st.sampled_from("abc"), max_size=6), st.none()), max_size=25)
+small_stop_lists = st.lists(st.text(st.sampled_from("abc"), min_size=1, max_size=6), max_size=5)
+
+
+@settings(max_examples=500, deadline=None)
+@given(stops=small_stop_lists, ops=operations, include=st.booleans())
+def test_every_feed_equals_naive_reference(stops: list[str], ops: list[str | None], include: bool) -> None:
+    matcher = StopStringMatcher(stops, include_stop_str_in_output=include)
+    naive = NaiveMatcher(stops, include)
+    assert matcher.state_count <= sum(map(len, set(stops))) + 1
+    for op in ops:
+        if op is None:
+            assert matcher.flush() == naive.flush()
+        else:
+            assert matcher.feed(op) == naive.feed(op)
+    assert matcher.flush() == naive.flush()
+    assert matcher.matched == naive.matched
+
+
+# --- long stop strings: linear size, no quadratic work ---------------------------------------
+
+
+def test_caps_for_the_validator() -> None:
+    assert (MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS) == (16, 1024)
+    stops = [chr(ord("a") + i) * MAX_STOP_STRING_CHARS for i in range(MAX_STOP_STRINGS)]
+    assert StopStringMatcher(stops).state_count == MAX_STOP_STRINGS * MAX_STOP_STRING_CHARS + 1
+
+
+def test_100k_stop_string_is_linear() -> None:
+    # The reported defect: one 100 kB stop string built every prefix (quadratic memory).
+    stop = "ab" * 25_000 + "x" * 50_000
+    matcher = StopStringMatcher([stop])
+    assert matcher.state_count == len(stop) + 1
+    # Every per-state table is linear in the stop string's length.
+    assert all(len(table) <= len(stop) + 1 for table in (matcher._fail_j, matcher._fail_d, matcher._out))
+
+    # Fed in 4-character chunks, all of it is held back, then it matches on the last character.
+    head = stop[:-1]
+    chunks = [head[i : i + 4] for i in range(0, len(head), 4)]
+    pieces, matched = run(matcher, [*chunks, stop[-1]])
+    assert matched == stop
+    assert "".join(pieces) == ""
+
+    # A near miss releases everything, once it can no longer become the stop string.
+    matcher = StopStringMatcher([stop], include_stop_str_in_output=True)
+    for chunk in chunks:
+        assert matcher.feed(chunk) == StopResult("", None)
+    assert matcher.feed("y") == StopResult(stop[:-1] + "y", None)
+
+
+def test_long_self_overlapping_stop_slides() -> None:
+    # "aaa...ab" against a long run of "a": the held text stays one short of the stop string
+    # and each feed releases exactly what it adds.
+    stop = "a" * 9_999 + "b"
+    matcher = StopStringMatcher([stop])
+    assert matcher.feed("a" * 20_000) == StopResult("a" * (20_000 - 9_999), None)
+    for _ in range(5_000):
+        assert matcher.feed("aaaa") == StopResult("aaaa", None)
+    assert matcher.feed("ab") == StopResult("a", stop)

@@ -8,6 +8,11 @@ Aborts take a fast path: the input pump only queues them, and the busy loop appl
 the current forward, before that step's outputs are processed, so an aborted request produces no
 output after the step that was running when the abort arrived.
 
+Stats-only messages (``engine.output_pump.Heartbeat``): right after the step in which the last request
+finished or was aborted, and every ``HEARTBEAT_INTERVAL`` to an API server that heard nothing
+meanwhile; the idle loop waits for work at most until the next one is due. They come only from the
+busy loop, between steps, so a forward that hangs (a stopped worker) is silence an API server sees.
+
 An executor that fails (``ExecutorFailed``: a worker died, hung or raised), during a step or while the
 engine is idle, ends the engine: every API server gets ``EngineDead`` with the reason (and fails the
 requests it holds with it), then the process exits with an error. Nothing waits on a dead worker.
@@ -27,7 +32,7 @@ import zmq
 from trioserve.engine.executor import Executor, ExecutorFailed
 from trioserve.engine.output_pump import OutputPolicy, OutputPump
 from trioserve.engine.scheduler import Scheduler, SchedulerConfig
-from trioserve.engine.shell import run_engine
+from trioserve.engine.shell import run_engine, wait_for_work
 from trioserve.protocol.messages import (
     AbortRequests,
     AddRequest,
@@ -124,7 +129,8 @@ class EngineCore:
                 if self._rejected:
                     await self._send({}, pump)
                     continue
-                await self._work.wait()  # nothing to compute until a request or an abort arrives
+                await pump.send_stats(scheduler.has_work, self._stats_message)  # idle report, heartbeats
+                await wait_for_work(self._work, pump)  # nothing to compute until a request or an abort
                 continue
             try:
                 sampled = await self.executor.execute(step)
@@ -150,3 +156,8 @@ class EngineCore:
             await pump.send(
                 client, EngineOutputs(self.config.engine_index, self.step_count, now, outs, stats)
             )
+        await pump.send_stats(self.scheduler.has_work, self._stats_message)
+
+    def _stats_message(self) -> EngineOutputs:
+        stats = self.scheduler.stats()
+        return EngineOutputs(self.config.engine_index, self.step_count, time.time(), [], stats)

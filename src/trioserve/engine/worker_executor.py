@@ -12,7 +12,11 @@ How a failure is seen:
 
 ``open_worker_executor`` is an async context manager: it yields once every worker has loaded the model
 (so the engine core can size its KV ledger from what the worker allocated) and on exit shuts the workers
-down (``WorkerShutdown``, then SIGTERM, then SIGKILL) and unlinks the rings, leaving nothing behind.
+down (``WorkerShutdown``, then SIGTERM, then SIGKILL) and closes the rings, leaving nothing behind.
+
+The rings' names leave ``/dev/shm`` as soon as the worker has attached both (``unlink_when_attached``,
+the ring's rule 5), long before the model is loaded: from then on a SIGKILL of the worker, of this
+process or of both cannot leave a segment behind, since the kernel frees it with its last mapping.
 """
 
 from __future__ import annotations
@@ -178,8 +182,12 @@ def worker_command(config: WorkerExecutorConfig, steps_handle: str, results_hand
 @asynccontextmanager
 async def open_worker_executor(config: WorkerExecutorConfig) -> AsyncIterator[WorkerExecutor]:
     with (
-        ShmRing(num_slots=4, slot_size=config.step_slot_bytes, num_readers=1) as step_ring,
-        ShmRing(num_slots=4, slot_size=config.result_slot_bytes, num_readers=1) as result_ring,
+        ShmRing(
+            num_slots=4, slot_size=config.step_slot_bytes, num_readers=1, unlink_when_attached=True
+        ) as step_ring,
+        ShmRing(
+            num_slots=4, slot_size=config.result_slot_bytes, num_readers=1, unlink_when_attached=True
+        ) as result_ring,
     ):
         steps, results = step_ring.writer(), result_ring.reader(0)
         with step_ring.handoff_reader(0) as steps_end, result_ring.handoff_writer() as results_end:
@@ -191,6 +199,8 @@ async def open_worker_executor(config: WorkerExecutorConfig) -> AsyncIterator[Wo
         executor: WorkerExecutor | None = None
         try:
             ready = await _wait_ready(config, results, proc)
+            for ring in (step_ring, result_ring):  # the worker attached both: their names are gone
+                ring.release_tracking()
             executor = WorkerExecutor(config, steps, results, proc, ready)
             log.info(
                 "worker 0 (pid %d) ready on %s in %.1f s with %d KV blocks",
@@ -204,8 +214,10 @@ async def open_worker_executor(config: WorkerExecutorConfig) -> AsyncIterator[Wo
                     await executor.shutdown()
                     nursery.cancel_scope.cancel()
         finally:
-            # A worker that failed (hung, say) gets no grace period: it would only wait it out.
-            await _reap(proc, grace=5.0 if executor is None or executor.failure is None else 0.0)
+            # Only a worker that was told to stop (WorkerShutdown) gets a grace period: one that failed
+            # (hung, say) would only wait it out, and one still loading the model (we were cancelled,
+            # or it failed to load) was told nothing and has nothing to finish.
+            await _reap(proc, grace=5.0 if executor is not None and executor.failure is None else 0.0)
 
 
 async def _wait_ready(config: WorkerExecutorConfig, results: RingReader, proc: trio.Process) -> WorkerReady:

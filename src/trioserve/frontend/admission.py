@@ -15,8 +15,16 @@ it when it leaves the active set. Which status a refusal gets, and why:
   the delay is back under half the budget. This is the default that refuses at the door on its own: it
   needs no capacity figure, only a latency budget.
 
-Both carry ``Retry-After``. Pure: the caller feeds it the loop lag, the output delay and the engine's
-queue stats.
+- **503** when an engine is *stalled* (``engine_health.py``: nothing has arrived from it for longer
+  than its stall bound, so its steps or its heartbeat stopped): a new request would hang with it.
+
+Both carry ``Retry-After``. Pure: the caller feeds it the loop lag, the output delay, the engines'
+queue stats with their age, and an engine stall.
+
+Rule on engine stats: stats older than ``STATS_MAX_AGE`` (3 * ``HEARTBEAT_INTERVAL``; an engine that
+works sends them every step and one that idles every interval) are *unknown*, and admission never
+refuses on unknown stats (a stalled engine is refused on its own, above). Frozen counts from before a
+disconnect storm must not lock the server out.
 """
 
 from __future__ import annotations
@@ -26,7 +34,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from trioserve.frontend.engine_health import Stall
 from trioserve.frontend.errors import ApiError
+from trioserve.protocol.messages import HEARTBEAT_INTERVAL, EngineStats
+
+STATS_MAX_AGE = 3 * HEARTBEAT_INTERVAL  # seconds; older engine stats are unknown
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +99,9 @@ class Admission:
         self.limits = limits
         self.in_flight = 0
         self.rendering = 0
-        self.engine_waiting = 0  # from the engine's latest stats
+        self.engine_waiting = 0  # from the engines' latest stats that are not stale
+        self.engine_stats_stale = 0  # engines whose stats are older than STATS_MAX_AGE
+        self.engine_stall: Stall | None = None  # a stalled engine, from ``EngineHealth``
         self.loop_lag = 0.0  # seconds, from the loop-lag monitor
         # How long engine output produced now would wait before the output handler takes it
         # (seconds): the caller feeds the estimate (``observe_output_delay``) before each ``admit``.
@@ -97,6 +111,12 @@ class Admission:
     def observe_output_delay(self, delay: float) -> None:
         self.output_delay.observe(delay)
 
+    def observe_engine_stats(self, stats: list[tuple[EngineStats, float]]) -> None:
+        """Each engine's latest stats with their age (seconds); stale ones count as unknown."""
+        fresh = [s for s, age in stats if age <= STATS_MAX_AGE]
+        self.engine_waiting = sum(s.num_waiting for s in fresh)
+        self.engine_stats_stale = len(stats) - len(fresh)
+
     def _refuse(self, status: int, reason: str, message: str) -> ApiError:
         self.rejected[reason] += 1
         return ApiError(status, message, retry_after=self.limits.retry_after)
@@ -104,6 +124,9 @@ class Admission:
     def admit(self) -> Ticket:
         """A slot for a new request, or the ApiError (429/503) that refuses it."""
         lim = self.limits
+        stall = self.engine_stall
+        if stall is not None:
+            raise self._refuse(503, "engine_stalled", f"server unavailable: {stall.message}; retry later")
         if lim.max_loop_lag and self.loop_lag > lim.max_loop_lag:
             raise self._refuse(
                 503,

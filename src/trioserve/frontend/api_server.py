@@ -1,6 +1,7 @@
 """One API server: its tasks, all in one nursery (design §3).
 
-accept loop + fast path (``HttpServer``) · ASGI host (hypercorn + quart-trio, lifespan) · engine client
+accept loop, owner of every connection (``HttpServer``) · ASGI host (the quart-trio app, called per
+request for the routes off the hot path, and its lifespan) · engine client
 (handshake, request sender with the abort fast path, output pump) · output handler. The renderer pool
 is ``trio.to_thread`` under a ``CapacityLimiter`` owned by ``Serving``.
 """
@@ -21,11 +22,10 @@ from trioserve.frontend.engine_client import EngineClient
 from trioserve.frontend.http_server import HttpServer
 from trioserve.frontend.http_sink import HttpSink
 from trioserve.frontend.output_handler import OutputHandler, StampedStepQueue
-from trioserve.frontend.queue_sinks import SseQueueSink
 from trioserve.frontend.responses import StreamingResponse
 from trioserve.frontend.serving import Serving
 from trioserve.frontend.tokenizer import Tokenizer
-from trioserve.frontend.ws_server import websocket_handoff
+from trioserve.frontend.ws_server import websocket_upgrade
 from trioserve.metrics import Metrics
 
 log = logging.getLogger("trioserve.frontend")
@@ -39,6 +39,7 @@ class EngineAddresses:
 
 
 LOOP_LAG_INTERVAL = 0.05  # seconds between loop-lag samples
+DRAIN_FLUSH = 1.0  # seconds drain waits, after its deadline, for the error events it wrote to go out
 
 
 class ApiServer:
@@ -61,11 +62,16 @@ class ApiServer:
         self.metrics = Metrics(config.model_names[0])
         self.handler = OutputHandler(self.engine.abort, self.metrics)
         self.serving = Serving(config, tokenizer, self.engine, self.handler)
-        self.asgi = AsgiHost(
-            create_app(self.serving, self.metrics_text), max_body=config.max_request_body_bytes
+        self.engine.on_joined = lambda ready: self.serving.on_engine_ready()  # a restarted engine too
+        self.engine_restarts = 0  # counted by the engine supervisor (launch/engine_supervisor.py)
+        self.asgi = AsgiHost(create_app(self.serving, self.metrics_text))
+        self.http = HttpServer(
+            self.serving,
+            self.asgi,
+            config.max_request_body_bytes,
+            upgrade=websocket_upgrade(self.serving),
+            max_connections=config.max_connections,
         )
-        handoff = websocket_handoff(self.serving, self.asgi.handoff)  # /v1/ws upgrades stay here
-        self.http = HttpServer(self.serving, handoff, config.max_request_body_bytes)
 
     async def run(
         self,
@@ -85,6 +91,23 @@ class ApiServer:
             if listener is not None:
                 await nursery.start(self.http.serve, listener)
             task_status.started()
+
+    async def drain(self, timeout: float) -> None:
+        """Graceful shutdown (SIGTERM). At once: the listener closes, idle connections close,
+        ``/health`` and every new request (a keep-alive one too, then closed) answer 503. Requests in
+        flight run on for ``timeout`` seconds; any still running then ends with an error event
+        ("the server is shutting down", 503) and a proper end of its body, or of its WebSocket
+        message stream. Returns when those ends have been written (at most ``DRAIN_FLUSH`` more);
+        the caller then cancels everything, which closes WebSockets with code 1001 and a reason."""
+        self.serving.draining = True
+        self.http.drain()
+        with trio.move_on_after(timeout):
+            await self.serving.drained()
+        if self.serving.active:
+            log.warning("drain deadline: ending %d requests still running", len(self.serving.active))
+            self.serving.shut_down()
+            with trio.move_on_after(DRAIN_FLUSH):
+                await self.http.http_closed()
 
     async def _watch_loop_lag(self) -> None:
         """How late a short sleep wakes up is how far behind the event loop is: every task (and
@@ -108,12 +131,7 @@ class ApiServer:
             if sink.backlogged:
                 backlogged += 1
                 # WebSocket sinks share their socket's writer; its bytes are not counted here.
-                if isinstance(sink, HttpSink):
-                    size = sink.backlog_bytes
-                elif isinstance(sink, SseQueueSink):
-                    size = sum(map(len, sink.chunks))
-                else:
-                    size = 0
+                size = sink.backlog_bytes if isinstance(sink, HttpSink) else 0
                 bytes_sum += size
                 bytes_max = max(bytes_max, size)
             tokens = response.merged_tokens
@@ -181,6 +199,22 @@ class ApiServer:
                 "1 while new requests are refused because engine output waits too long here.",
                 int(admission.output_delay.shut),
             ),
+            "trioserve:engine_stalled": (
+                "1 while an engine is stalled: nothing from it (steps, heartbeats) for its stall bound.",
+                int(self.engine.stall() is not None),
+            ),
+            "trioserve:engine_silence_seconds": (
+                "Seconds since anything arrived from an engine (the largest across engines).",
+                max((h.silence(trio.current_time()) for h in self.engine.health.values()), default=0.0),
+            ),
+            "trioserve:engine_stall_bound_seconds": (
+                "Silence after which an engine counts as stalled (the largest across engines).",
+                max((h.bound() for h in self.engine.health.values()), default=0.0),
+            ),
+            "trioserve:engine_stats_age_seconds": (
+                "Age of the oldest engine stats here (admission ignores stats older than 3 s).",
+                max((age for _, age in self.handler.engine_stats_ages(trio.current_time())), default=0.0),
+            ),
             **self._stream_backlog(),
         }
         counters = {
@@ -192,9 +226,33 @@ class ApiServer:
                 "Times engine output came to wait longer than --max-output-delay-ms (shedding began).",
                 admission.output_delay.shut_count,
             ),
+            "trioserve:connections_refused_total": (
+                "Connections closed as soon as accepted: --max-connections were open.",
+                self.http.refused_connections,
+            ),
+            "trioserve:accept_errors_total": (
+                "Times accepting a connection failed for want of a resource (EMFILE, ENFILE, ...).",
+                self.http.accept_errors,
+            ),
+            "trioserve:engine_restarts_total": (
+                "Engine cores started again by this API server after one died (--engine-restart).",
+                self.engine_restarts,
+            ),
             "trioserve:bad_engine_frames_total": (
                 "Engine frames that failed to decode.",
                 self.engine.bad_frames,
+            ),
+            "trioserve:engine_stall_episodes_total": (
+                "Times an engine went silent for longer than its stall bound.",
+                sum(h.stall_count for h in self.engine.health.values()),
+            ),
+            "trioserve:engine_adds_dropped_total": (
+                "Requests aborted before their add left for the engine (so it was never sent).",
+                self.engine.dropped_adds,
+            ),
+            "trioserve:engine_folded_steps_total": (
+                "Steps the engines' output pumps folded into a held one (their socket to us was full).",
+                sum(s.folded_steps for s in stats),
             ),
             # Cumulative counts the engines report with every step.
             "vllm:num_preemptions_total": (

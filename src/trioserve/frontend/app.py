@@ -1,31 +1,25 @@
 """The quart-trio app: every route that is not on the per-token hot path.
 
-Admin and metadata routes live here, and so do the generation routes for connections that hypercorn
-already owns (a keep-alive connection whose first request was, say, ``GET /v1/models``). Those stream
-through ASGI, slower per event than the fast path but with identical bytes and semantics, because they
-share ``Serving`` and the response objects. The WebSocket route multiplexes requests over one socket.
+Admin and metadata routes live here. The generation routes and the WebSocket are never served by
+this app: the accept loop owns every connection and serves those itself, calling this app per
+request for everything else (``asgi_host.py``), so no response here streams.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import msgspec
-import trio
 from quart import Response as QuartResponse
-from quart import request, websocket
+from quart import request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from trioserve.frontend.chunks import Kind
 from trioserve.frontend.errors import ApiError, error_body
 from trioserve.frontend.openai_schema import DetokenizeRequest, TokenizeRequest
-from trioserve.frontend.queue_sinks import OutboxWriter, SseQueueSink
-from trioserve.frontend.responses import Response
 from trioserve.frontend.serving import Serving, message_dicts
 from trioserve.frontend.validate import decode_body, resolve_model
-from trioserve.frontend.ws_server import WsSession
 
 
 def _json(body: bytes, status: int = 200) -> QuartResponse:
@@ -49,6 +43,9 @@ def create_app(serving: Serving, metrics_text: Callable[[], str]) -> QuartTrio:
     app = QuartTrio("trioserve")
     app.config["MAX_CONTENT_LENGTH"] = config.max_request_body_bytes
     app.config["PROVIDE_AUTOMATIC_OPTIONS"] = False
+    # The accept loop enforces the connection's limits (head, body and idle timeouts) for every route;
+    # quart's own 60 s response timeout would only ever cut a response short without telling.
+    app.config["RESPONSE_TIMEOUT"] = None
     created = int(time.time())
 
     @app.errorhandler(HTTPException)
@@ -62,8 +59,13 @@ def create_app(serving: Serving, metrics_text: Callable[[], str]) -> QuartTrio:
 
     @app.get("/health")
     async def health() -> QuartResponse:
+        if serving.draining:  # a balancer should move away before the listener is gone
+            return _json(error_body(503, "the server is shutting down"), 503)
         if serving.dead_reason is not None:
             return _json(error_body(503, f"the engine is unavailable: {serving.dead_reason}"), 503)
+        stall = serving.engine.stall()  # nothing from an engine for longer than its stall bound
+        if stall is not None:
+            return _json(error_body(503, stall.message), 503)
         return QuartResponse(b"", status=200)
 
     @app.get("/metrics")
@@ -110,79 +112,4 @@ def create_app(serving: Serving, metrics_text: Callable[[], str]) -> QuartTrio:
         text = await serving.render(serving.tokenizer.decode, req.tokens, False)
         return _json(msgspec.json.encode({"prompt": text}))
 
-    async def generate(kind: Kind) -> QuartResponse:
-        sink = SseQueueSink()
-        response = await serving.start(kind, await _body(), sink)
-        if not response.options.stream:
-            try:
-                while not sink.ended:
-                    await sink.waker.wait()
-            finally:
-                if not response.done:
-                    serving.cancel(response)
-            return _json(sink.body, sink.status)
-        return QuartResponse(
-            _stream(serving, response, sink),
-            status=200,
-            content_type="text/event-stream; charset=utf-8",
-            headers={"cache-control": "no-cache"},
-        )
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions() -> QuartResponse:
-        return await generate("chat")
-
-    @app.post("/v1/completions")
-    async def completions() -> QuartResponse:
-        return await generate("completion")
-
-    @app.websocket("/v1/ws")
-    async def ws() -> None:
-        await _serve_websocket(serving)
-
     return app
-
-
-async def _stream(serving: Serving, response: Response, sink: SseQueueSink) -> AsyncIterator[bytes]:
-    try:
-        while True:
-            if sink.chunks:
-                data = sink.take()
-                response.on_drained()  # deltas merged while we were away become chunks now
-                yield data
-            elif sink.ended:
-                return
-            else:
-                await sink.waker.wait()
-    finally:
-        if not response.done:
-            serving.cancel(response)
-
-
-async def _serve_websocket(serving: Serving) -> None:
-    """Several requests over one socket (``WsSession``); one writer task sends the outbox in order.
-    Only for a connection hypercorn already owns: a fresh ``/v1/ws`` upgrade takes the fast path
-    (``ws_server.py``)."""
-    out = OutboxWriter()
-    session: WsSession | None = None
-
-    async def write_loop() -> None:
-        while True:
-            if not out.outbox:
-                await out.waker.wait()
-                continue
-            batch = out.take()
-            assert session is not None
-            session.drained()  # deltas merged while we were away queue behind this batch
-            for message in batch:
-                await websocket.send(message.decode())
-
-    try:
-        async with trio.open_nursery() as nursery:
-            session = WsSession(serving, out, nursery)
-            nursery.start_soon(write_loop)
-            while True:
-                session.receive(await websocket.receive())
-    finally:
-        if session is not None:
-            session.close()

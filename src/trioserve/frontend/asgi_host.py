@@ -1,70 +1,49 @@
-"""Hosts the quart-trio app on hypercorn's trio connection handler, fed by our accept loop.
+"""Calls the quart-trio app as ASGI, one request at a time, on connections the accept loop owns.
 
-hypercorn's ``TCPServer`` serves any trio stream that has a ``socket``; ``PrefixedStream`` replays the
-bytes the fast path already read (the request head, maybe part of the body) before reading the socket,
-so hypercorn parses the request from its first byte. The app's lifespan runs here too, once.
+The accept loop (``http_server.py``) owns every connection from its first byte to its close: it reads
+each request head and body with h11 under one set of limits (head, body and keep-alive timeouts, size
+limits, ``Connection: close``), serves the generation routes itself, and calls the app here for every
+other route. So a connection that listed the models first still streams its completions on the fast
+path, and no route runs under a framework timeout the fast path does not have.
+
+Rules:
+- The app sees one complete request: ``receive`` returns the whole body once (already read and
+  size-checked by the accept loop), then blocks until the app is done with it; quart's message
+  watcher task is cancelled when its response is complete, so there is no ``http.disconnect`` to
+  race the response.
+- The response goes out through the connection's own ``h11.Connection``: h11 decides the framing
+  (``Content-Length`` when the app gives one, else chunked, or close-delimited for HTTP/1.0) and
+  whether the connection can be reused.
+- A response to ``HEAD`` goes out without its body (the app may send one).
+- The app's lifespan (startup, shutdown) runs once, in ``run``, through hypercorn's lifespan driver.
 """
 
 from __future__ import annotations
 
-import socket
+from collections.abc import Awaitable, Callable
 from typing import Any
+from urllib.parse import unquote
 
+import h11
 import trio
 from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.config import Config
 from hypercorn.trio.lifespan import Lifespan
-from hypercorn.trio.tcp_server import TCPServer
-from hypercorn.trio.worker_context import WorkerContext
-from hypercorn.typing import ConnectionState
 
-
-class PrefixedStream(trio.abc.HalfCloseableStream):
-    """A socket stream whose first reads return ``prefix``. No ``do_handshake``: hypercorn treats
-    it as plain TCP (it probes for TLS with that attribute)."""
-
-    def __init__(self, stream: trio.SocketStream, prefix: bytes) -> None:
-        self._stream = stream
-        self._prefix = prefix
-        self.socket = stream.socket
-
-    async def receive_some(self, max_bytes: int | None = None) -> bytes:
-        if self._prefix:
-            await trio.lowlevel.checkpoint()
-            size = len(self._prefix) if max_bytes is None else max_bytes
-            data, self._prefix = self._prefix[:size], self._prefix[size:]
-            return data
-        return await self._stream.receive_some(max_bytes)
-
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        await self._stream.send_all(data)
-
-    async def wait_send_all_might_not_block(self) -> None:
-        await self._stream.wait_send_all_might_not_block()
-
-    async def send_eof(self) -> None:
-        await self._stream.send_eof()
-
-    async def aclose(self) -> None:
-        await self._stream.aclose()
+SendBytes = Callable[[bytes], Awaitable[None]]
+Address = tuple[str, int] | None
 
 
 class AsgiHost:
-    def __init__(self, app: Any, *, max_body: int, keep_alive_timeout: float = 5.0) -> None:
-        config = Config()
-        config.keep_alive_timeout = keep_alive_timeout
-        config.h11_max_incomplete_size = 64 * 1024
-        config.wsgi_max_body_size = max_body
-        config.accesslog = None
-        config.include_server_header = False
-        self._config = config
-        self._app = ASGIWrapper(app)
-        self._state: dict[str, Any] = {}
-        self._context = WorkerContext(None)
+    def __init__(self, app: Any) -> None:
+        self._app = app
+        self._state: dict[str, Any] = {}  # the lifespan's state, copied into every request's scope
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run the app's lifespan: startup before ``started``, shutdown when cancelled."""
-        lifespan = Lifespan(self._app, self._config, self._state)
+        config = Config()
+        config.accesslog = None
+        lifespan = Lifespan(ASGIWrapper(self._app), config, self._state)
         async with trio.open_nursery() as nursery:
             await nursery.start(lifespan.handle_lifespan)
             await lifespan.wait_for_startup()
@@ -73,14 +52,62 @@ class AsgiHost:
                 await trio.sleep_forever()
             finally:
                 with trio.CancelScope(shield=True), trio.move_on_after(2):
-                    await self._context.terminated.set()
                     await lifespan.wait_for_shutdown()
                 nursery.cancel_scope.cancel()
 
-    async def handoff(self, sock: socket.socket, prefix: bytes) -> None:
-        """Serve this connection with hypercorn until it closes; ``prefix`` was already read."""
-        stream = PrefixedStream(trio.SocketStream(trio.socket.from_stdlib_socket(sock)), prefix)
-        state = ConnectionState(self._state.copy())
-        # TCPServer is typed for an SSLStream but serves any stream (it probes for TLS).
-        server = TCPServer(self._app, self._config, self._context, state, stream)  # type: ignore[arg-type]
-        await server.run()
+    async def call(
+        self,
+        request: h11.Request,
+        body: bytes,
+        conn: h11.Connection,
+        send_bytes: SendBytes,
+        *,
+        client: Address,
+        server: Address,
+    ) -> None:
+        """Serve ``request`` (whose whole ``body`` was read) with the app, writing the response
+        through ``conn``. Returns when the app returns; the caller checks ``conn``'s states to see
+        whether the response is complete and the connection reusable."""
+        raw_path, _, query = request.target.partition(b"?")
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": request.http_version.decode("ascii"),
+            "method": request.method.decode("ascii"),
+            "scheme": "http",
+            "path": unquote(raw_path.decode("latin-1")),
+            "raw_path": raw_path,
+            "query_string": query,
+            "root_path": "",
+            "headers": list(request.headers),
+            "client": client,
+            "server": server,
+            "state": self._state.copy(),
+            "extensions": {},
+        }
+        body_given = False
+        head_only = request.method == b"HEAD"
+
+        async def receive() -> dict[str, Any]:
+            nonlocal body_given
+            if not body_given:
+                body_given = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await trio.sleep_forever()  # cancelled once the app's response is complete
+            raise AssertionError("unreachable")
+
+        async def send(message: dict[str, Any]) -> None:
+            kind = message["type"]
+            if kind == "http.response.start":
+                head = h11.Response(status_code=message["status"], headers=list(message.get("headers", ())))
+                await send_bytes(conn.send(head) or b"")
+            elif kind == "http.response.body":
+                # A response to HEAD has no body, whatever the app sends (h11 refuses one).
+                data: bytes = b"" if head_only else message.get("body", b"")
+                out = (conn.send(h11.Data(data=data)) or b"") if data else b""
+                if not message.get("more_body", False):
+                    out += conn.send(h11.EndOfMessage()) or b""
+                if out:
+                    await send_bytes(out)
+
+        await self._app(scope, receive, send)

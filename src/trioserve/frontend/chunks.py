@@ -25,10 +25,30 @@ class Usage(msgspec.Struct):
 
 
 class ChunkEncoder:
-    __slots__ = ("_after_text", "_head", "_return_ids", "_text_key", "created", "id", "kind")
+    __slots__ = (
+        "_after_text",
+        "_head",
+        "_prompt_tokens",
+        "_return_ids",
+        "_text_key",
+        "created",
+        "id",
+        "kind",
+    )
 
-    def __init__(self, kind: Kind, response_id: str, created: int, model: str, return_token_ids: bool):
+    def __init__(
+        self,
+        kind: Kind,
+        response_id: str,
+        created: int,
+        model: str,
+        return_token_ids: bool,
+        continuous_usage_prompt_tokens: int | None = None,
+    ):
+        """``continuous_usage_prompt_tokens``: the prompt's length, when every chunk carries usage
+        (``stream_options.continuous_usage_stats``); None otherwise."""
         self.kind = kind
+        self._prompt_tokens = continuous_usage_prompt_tokens
         self.id = response_id
         self.created = created
         self._return_ids = return_token_ids
@@ -53,7 +73,9 @@ class ChunkEncoder:
         token_ids: list[int],
         finish_reason: str | None = None,
         stop_reason: int | str | None = None,
+        completion_tokens: int = 0,
     ) -> bytes:
+        """One chunk; ``completion_tokens`` (the response's so far) only matters with continuous usage."""
         parts = [
             self._head,
             b'{"index":%d' % index,
@@ -66,7 +88,7 @@ class ChunkEncoder:
             parts += (b',"stop_reason":', _encode(stop_reason))
         if self._return_ids:
             parts += (b',"token_ids":', _encode(token_ids))
-        parts.append(b"}]}")
+        parts.append(b"}]}" if self._prompt_tokens is None else b"}" + self._usage_tail(completion_tokens))
         return b"".join(parts)
 
     def role(self, index: int) -> bytes:
@@ -74,8 +96,17 @@ class ChunkEncoder:
         return (
             self._head
             + b'{"index":%d,"delta":{"role":"assistant","content":""},"logprobs":null,' % (index)
-            + b'"finish_reason":null}]}'
+            + (
+                b'"finish_reason":null}]}'
+                if self._prompt_tokens is None
+                else b'"finish_reason":null}' + self._usage_tail(0)
+            )
         )
+
+    def _usage_tail(self, completion_tokens: int) -> bytes:
+        assert self._prompt_tokens is not None
+        usage = Usage(self._prompt_tokens, completion_tokens, self._prompt_tokens + completion_tokens)
+        return b'],"usage":' + _encode(usage) + b"}"
 
     def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
         usage = Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)

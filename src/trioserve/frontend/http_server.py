@@ -1,13 +1,30 @@
-"""The API server's own accept loop and HTTP/1.1 fast path for the generation routes.
+"""The API server's accept loop and HTTP/1.1 connections: it owns every connection, for every route.
 
-Every connection is read with h11 (sans-I/O; no HTTP parsing by hand). A request for a generation
-route is served here: the output handler writes its events straight to the socket (``HttpSink``).
-Anything else hands the connection, with every byte read so far, to hypercorn serving the quart-trio
-app, which owns it from then on. One port serves every route.
+Every connection is read with h11 (sans-I/O; no HTTP parsing by hand) by one task, from its first
+byte to its close. A request for a generation route is served here: the output handler writes its
+events straight to the socket (``HttpSink``). A WebSocket upgrade of ``/v1/ws`` becomes a WebSocket
+connection (``ws_server.py``). Every other request is passed, whole, to the quart-trio app through
+``AsgiHost.call``, and the connection goes on to its next request: what came before a request on a
+connection never decides which path serves it.
+
+Limits (the same for every route, because this loop reads every request):
+- a request head must be complete within ``HEAD_TIMEOUT`` of the connection opening or of the end of
+  the previous response (this is also the idle keep-alive timeout); then the connection is closed;
+- a head larger than ``MAX_HEAD`` bytes is answered 431, a target longer than ``MAX_TARGET`` 414;
+- a body must arrive within ``BODY_TIMEOUT``; one larger than the body limit is answered 413;
+- after any error that leaves the request unread, and on ``Connection: close``, the connection closes
+  (h11 decides reuse; we never start a next cycle it does not allow).
+
+Drain (``HttpServer.drain``): the listener closes at once, idle keep-alive connections are closed,
+and a request that still arrives on an open connection gets 503 with ``Connection: close``.
+Connection faults (out of file descriptors) never end the accept loop: it closes idle connections
+and backs off (``AcceptBackoff``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import socket
 from collections.abc import Awaitable, Callable
@@ -15,21 +32,31 @@ from collections.abc import Awaitable, Callable
 import h11
 import trio
 
+from trioserve.frontend.asgi_host import AsgiHost
 from trioserve.frontend.chunks import Kind
 from trioserve.frontend.errors import ApiError
 from trioserve.frontend.http_sink import HttpSink
 from trioserve.frontend.serving import Serving
+from trioserve.sync import Waker
 
 log = logging.getLogger("trioserve.http")
 
 FAST_ROUTES: dict[bytes, Kind] = {b"/v1/chat/completions": "chat", b"/v1/completions": "completion"}
+WS_PATH = b"/v1/ws"
 _RECV = 65536
-_MAX_HEAD = 64 * 1024
+MAX_HEAD = 64 * 1024  # bytes of request line and header fields (431 above it)
+MAX_TARGET = 8 * 1024  # bytes of request target, path and query (414 above it)
 _ACCEPT_BATCH = 64
-KEEP_ALIVE_TIMEOUT = 5.0  # seconds to wait for the next request head on a connection
+HEAD_TIMEOUT = 5.0  # seconds for a complete request head (idle keep-alive included)
+KEEP_ALIVE_TIMEOUT = HEAD_TIMEOUT
 BODY_TIMEOUT = 30.0  # seconds to read a request body
+LINGER = 2.0  # seconds to keep reading (and discarding) after an error reply, before closing
+# accept() errors that mean "out of a resource for now", never "stop serving".
+_RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
-Handoff = Callable[[socket.socket, bytes], Awaitable[None]]
+# Serves an upgraded ``/v1/ws`` connection from the bytes read of its cycle; False (nothing written,
+# the socket untouched) when those bytes are not a valid WebSocket upgrade.
+Upgrade = Callable[[socket.socket, bytes], Awaitable[bool]]
 
 
 class _Closed(Exception):
@@ -37,16 +64,31 @@ class _Closed(Exception):
 
 
 class HttpConnection:
-    __slots__ = ("_cycle_bytes", "_h11", "_handoff", "_max_body", "_serving", "_sock", "handed_off")
+    __slots__ = (
+        "_cycle_bytes",
+        "_h11",
+        "_idle_scope",
+        "_linger",
+        "_server",
+        "_sock",
+        "upgraded",
+    )
 
-    def __init__(self, sock: socket.socket, serving: Serving, handoff: Handoff, max_body: int) -> None:
+    def __init__(self, sock: socket.socket, server: HttpServer) -> None:
         self._sock = sock
-        self._serving = serving
-        self._handoff = handoff
-        self._max_body = max_body
-        self._h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=_MAX_HEAD)
-        self._cycle_bytes = bytearray()  # raw bytes of the current request cycle, for a handoff
-        self.handed_off = False
+        self._server = server
+        self._h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD)
+        self._cycle_bytes = bytearray()  # raw bytes of the current request cycle, for an upgrade
+        self._idle_scope: trio.CancelScope | None = None  # set while waiting for a head, no byte of it read
+        self.upgraded = False  # a WebSocket connection owns the socket now
+        self._linger = False  # an error reply went out before the request was read: close gently
+
+    def close_if_idle(self) -> bool:
+        """Close the connection if it waits for a next request of which no byte has arrived."""
+        if self._idle_scope is None:
+            return False
+        self._idle_scope.cancel()
+        return True
 
     async def _recv(self) -> bytes:
         while True:
@@ -73,38 +115,112 @@ class HttpConnection:
                 continue
             return event
 
+    async def _send_all(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            try:
+                sent = self._sock.send(view)
+            except BlockingIOError:
+                await trio.lowlevel.wait_writable(self._sock)
+                continue
+            except OSError:
+                raise _Closed from None
+            view = view[sent:]
+
     def internal_error(self) -> None:
-        if not self.handed_off and self._h11.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+        if not self.upgraded and self._h11.our_state in (h11.IDLE, h11.SEND_RESPONSE):
             body = ApiError(500, "internal server error (logged)").body()
             HttpSink(self._sock, self._h11).full(500, body, close=True)
 
-    def _reply_bad_request(self, exc: h11.RemoteProtocolError) -> None:
+    def _reply_error(self, status: int, message: str, *, retry_after: int | None = None) -> None:
+        """An error response after which the connection closes (its request may be partly unread)."""
         if self._h11.our_state in (h11.IDLE, h11.SEND_RESPONSE):
-            status = exc.error_status_hint
-            HttpSink(self._sock, self._h11).full(status, ApiError(status, str(exc)).body(), close=True)
+            body = ApiError(status, message).body()
+            HttpSink(self._sock, self._h11).full(status, body, close=True, retry_after=retry_after)
+            self._linger = True
+
+    async def linger(self) -> None:
+        """Before closing after an error reply: a close with unread input makes the kernel send a
+        reset, which can destroy the reply before the client reads it. So stop writing, then read
+        and discard what the client still sends, for at most ``LINGER`` seconds (RFC 9112 9.6)."""
+        if not self._linger:
+            return
+        with trio.move_on_after(LINGER), contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_WR)
+            while True:
+                try:
+                    if not self._sock.recv(_RECV):
+                        return
+                except BlockingIOError:
+                    await trio.lowlevel.wait_readable(self._sock)
+
+    def _reply_bad_request(self, exc: h11.RemoteProtocolError) -> None:
+        self._reply_error(exc.error_status_hint, str(exc))
+
+    async def _next_request(self) -> h11.Request | None:
+        """The next request head, or None when the connection should close (timed out, closed,
+        drained while idle, or a protocol state we do not continue from)."""
+        event: object = None
+        with trio.move_on_after(HEAD_TIMEOUT) as deadline:
+            buffered, closed = self._h11.trailing_data
+            if not buffered and not closed:
+                if self._server.draining:
+                    return None
+                # Idle until the first byte of the next request: ``drain`` may close us here.
+                with trio.CancelScope() as idle:
+                    self._idle_scope = idle
+                    try:
+                        await self._recv()
+                    finally:
+                        self._idle_scope = None
+                if idle.cancelled_caught:
+                    return None
+            event = await self._next_event()
+        if deadline.cancelled_caught and self._h11.trailing_data[0]:
+            # A head started but did not finish in time (slowloris, a stalled client): say so.
+            self._reply_error(408, f"the request head did not arrive within {HEAD_TIMEOUT:g} s")
+        return event if isinstance(event, h11.Request) else None
 
     async def run(self) -> None:
+        server = self._server
         try:
             while True:
-                # An idle or trickling client must not hold a connection task forever (hypercorn and
-                # uvicorn close idle keep-alive connections after 5 s too).
-                event: object = None
-                with trio.move_on_after(KEEP_ALIVE_TIMEOUT):
-                    event = await self._next_event()
-                if not isinstance(event, h11.Request):
-                    return  # timed out, closed, or a protocol state we do not continue from
-                path = event.target.split(b"?", 1)[0]
-                kind = FAST_ROUTES.get(path) if event.method == b"POST" else None
-                if kind is None:
-                    self.handed_off = True
-                    await self._handoff(self._sock, bytes(self._cycle_bytes))
+                request = await self._next_request()
+                if request is None:
+                    return
+                if not self._within_limits(request):
+                    return
+                if server.draining:
+                    self._reply_error(503, "the server is shutting down", retry_after=1)
+                    return
+                path = request.target.split(b"?", 1)[0]
+                if path == WS_PATH and request.method == b"GET" and server.upgrade is not None:
+                    if await server.upgrade(self._sock, bytes(self._cycle_bytes)):
+                        self.upgraded = True
+                        return
+                    self._reply_error(426, "this route needs a WebSocket upgrade (RFC 6455, version 13)")
                     return
                 body = None
-                with trio.move_on_after(BODY_TIMEOUT):
-                    body = await self._read_body(event)
+                with trio.move_on_after(BODY_TIMEOUT) as deadline:
+                    body = await self._read_body(request)
+                if deadline.cancelled_caught:
+                    self._reply_error(408, f"the request body did not arrive within {BODY_TIMEOUT:g} s")
                 if body is None:
                     return
-                await self._generate(kind, body)
+                kind = FAST_ROUTES.get(path)
+                if kind is not None and request.method == b"POST":
+                    await self._generate(kind, body)
+                elif kind is not None:
+                    await self._method_not_allowed()
+                else:
+                    await server.asgi.call(
+                        request,
+                        body,
+                        self._h11,
+                        self._send_all,
+                        client=_address(self._sock.getpeername),
+                        server=_address(self._sock.getsockname),
+                    )
                 if self._h11.our_state is not h11.DONE or self._h11.their_state is not h11.DONE:
                     return
                 self._h11.start_next_cycle()
@@ -112,35 +228,62 @@ class HttpConnection:
         except _Closed:
             return
 
+    def _within_limits(self, request: h11.Request) -> bool:
+        """Refuse (and close) a request whose head is over the documented limits. h11 enforces
+        ``MAX_HEAD`` only on a head that is still incomplete; one that arrived whole is measured here."""
+        if len(request.target) > MAX_TARGET:
+            self._reply_error(414, f"the request target is longer than the limit of {MAX_TARGET} bytes")
+            return False
+        fields = sum(len(name) + len(value) + 4 for name, value in request.headers)  # ": " and CRLF
+        size = len(request.method) + len(request.target) + fields
+        if size > MAX_HEAD:
+            self._reply_error(431, f"the request head is larger than the limit of {MAX_HEAD} bytes")
+            return False
+        return True
+
     async def _read_body(self, request: h11.Request) -> bytes | None:
         """The whole body, or None when the connection cannot go on (too large: a 413 is sent)."""
+        max_body = self._server.max_body
         for name, value in request.headers:
-            if name == b"content-length" and int(value) > self._max_body:
-                self._too_large()
+            if name == b"content-length" and int(value) > max_body:
+                self._too_large(max_body)
                 return None
         if self._h11.they_are_waiting_for_100_continue:
-            self._sock.sendall(self._h11.send(h11.InformationalResponse(status_code=100, headers=[])) or b"")
+            go_on = h11.InformationalResponse(status_code=100, headers=[])
+            await self._send_all(self._h11.send(go_on) or b"")
         body = bytearray()
         while True:
             event = await self._next_event()
             if isinstance(event, h11.Data):
                 body += event.data
-                if len(body) > self._max_body:
-                    self._too_large()
+                if len(body) > max_body:
+                    self._too_large(max_body)
                     return None
             elif isinstance(event, h11.EndOfMessage):
                 return bytes(body)
             else:
                 return None
 
-    def _too_large(self) -> None:
-        msg = f"request body is larger than the limit of {self._max_body} bytes"
-        HttpSink(self._sock, self._h11).full(413, ApiError(413, msg).body(), close=True)
+    async def _method_not_allowed(self) -> None:
+        body = ApiError(405, "The method is not allowed for the requested URL.").body()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", b"%d" % len(body)),
+            (b"allow", b"POST"),
+        ]
+        conn = self._h11
+        out = conn.send(h11.Response(status_code=405, headers=headers)) or b""
+        out += (conn.send(h11.Data(data=body)) or b"") + (conn.send(h11.EndOfMessage()) or b"")
+        await self._send_all(out)
+
+    def _too_large(self, max_body: int) -> None:
+        self._reply_error(413, f"request body is larger than the limit of {max_body} bytes")
 
     async def _generate(self, kind: Kind, body: bytes) -> None:
+        serving = self._server.serving
         sink = HttpSink(self._sock, self._h11)
         try:
-            response = await self._serving.start(kind, body, sink)
+            response = await serving.start(kind, body, sink)
         except ApiError as exc:
             sink.full(exc.status, exc.body(), retry_after=exc.retry_after)
             await sink.flush()
@@ -157,27 +300,99 @@ class HttpConnection:
                     sink.closed = True
         finally:
             if not response.done:
-                self._serving.cancel(response)
+                serving.cancel(response)
+
+
+def _address(get: Callable[[], object]) -> tuple[str, int] | None:
+    try:
+        address = get()
+    except OSError:
+        return None
+    if isinstance(address, tuple) and len(address) >= 2:
+        return str(address[0]), int(address[1])
+    return None  # a Unix socket (tests, socketpairs): no host and port
+
+
+class AcceptBackoff:
+    """When ``accept()`` fails for want of a resource (EMFILE, ENFILE, ...), how long to wait before
+    trying again: 10 ms doubling to 1 s while failures continue, back to 10 ms after a success.
+    Pure; the accept loop closes idle connections before it waits."""
+
+    FIRST = 0.01
+    LIMIT = 1.0
+
+    def __init__(self) -> None:
+        self.delay = 0.0
+        self.failures = 0  # consecutive
+
+    def failed(self) -> float:
+        self.failures += 1
+        self.delay = self.FIRST if self.delay == 0 else min(self.LIMIT, self.delay * 2)
+        return self.delay
+
+    def succeeded(self) -> None:
+        self.delay = 0.0
+        self.failures = 0
 
 
 class HttpServer:
-    def __init__(self, serving: Serving, handoff: Handoff, max_body: int) -> None:
-        self._serving = serving
-        self._handoff = handoff
-        self._max_body = max_body
+    def __init__(
+        self,
+        serving: Serving,
+        asgi: AsgiHost,
+        max_body: int,
+        *,
+        upgrade: Upgrade | None = None,
+        max_connections: int = 0,
+    ) -> None:
+        self.serving = serving
+        self.asgi = asgi
+        self.upgrade = upgrade
+        self.max_body = max_body
+        self.max_connections = max_connections  # 0: no limit
         self.connections = 0
+        self.refused_connections = 0  # closed at once: over --max-connections
+        self.accept_errors = 0  # accept() failed for want of a resource (EMFILE, ...)
+        self.draining = False
+        self._open: set[HttpConnection] = set()
+        self._closed = Waker()  # set whenever a connection closes
         self._accepting = trio.CancelScope()
+        self._listener: socket.socket | None = None
+        self._backoff = AcceptBackoff()
 
-    def stop_accepting(self) -> None:
-        """Graceful shutdown, step one: no new connections; running ones finish (``serve`` returns
-        when they have)."""
+    def drain(self) -> None:
+        """Graceful shutdown, step one: the listener closes (new connections are refused by the
+        kernel), idle keep-alive connections close, and a request that still arrives gets 503 with
+        ``Connection: close``. Running requests go on (``Serving.drained`` says when they are done)."""
+        self.draining = True
         self._accepting.cancel()
+        if self._listener is not None:
+            trio.lowlevel.notify_closing(self._listener)
+            self._listener.close()
+        for conn in list(self._open):
+            conn.close_if_idle()
+
+    async def http_closed(self) -> None:
+        """Returns once every connection still open is a WebSocket (drain waits for the HTTP
+        responses it ended to be written out and their connections closed)."""
+        while any(not conn.upgraded for conn in self._open):
+            await self._closed.wait()
+
+    def close_idle(self, limit: int | None = None) -> int:
+        """Close up to ``limit`` idle keep-alive connections (all when None); returns how many."""
+        closed = 0
+        for conn in list(self._open):
+            if limit is not None and closed >= limit:
+                break
+            closed += conn.close_if_idle()
+        return closed
 
     async def serve(
         self, listener: socket.socket, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
-        """Accept until ``stop_accepting``; each connection is a task in this nursery."""
+        """Accept until ``drain``; each connection is a task in this nursery."""
         listener.setblocking(False)
+        self._listener = listener
         async with trio.open_nursery() as nursery:
             task_status.started()
             with self._accepting:
@@ -188,14 +403,41 @@ class HttpServer:
                             sock, _ = listener.accept()
                         except (BlockingIOError, InterruptedError, ConnectionAbortedError):
                             break
+                        except OSError as exc:
+                            if exc.errno not in _RESOURCE_ERRNOS:
+                                raise
+                            await self._out_of_resources(exc)
+                            break
+                        self._backoff.succeeded()
+                        if self.max_connections and self.connections >= self.max_connections:
+                            self.refused_connections += 1
+                            sock.close()
+                            continue
                         nursery.start_soon(self.handle_connection, sock)
+
+    async def _out_of_resources(self, exc: OSError) -> None:
+        """Out of descriptors (or memory) to accept with: close idle connections to make room, and
+        wait a little so the loop does not spin on a listener that stays readable."""
+        self.accept_errors += 1
+        freed = self.close_idle(_ACCEPT_BATCH)
+        delay = self._backoff.failed()
+        if self._backoff.failures == 1 or self._backoff.failures % 100 == 0:
+            log.warning(
+                "accept failed (%s): closed %d idle connections; %d open; retrying in %.2f s",
+                exc.strerror,
+                freed,
+                self.connections,
+                delay,
+            )
+        await trio.sleep(delay)
 
     async def handle_connection(self, sock: socket.socket) -> None:
         sock.setblocking(False)
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn = HttpConnection(sock, self._serving, self._handoff, self._max_body)
+        conn = HttpConnection(sock, self)
         self.connections += 1
+        self._open.add(conn)
         try:
             await conn.run()
         except Exception:
@@ -203,7 +445,13 @@ class HttpServer:
             log.exception("connection handler failed")
             conn.internal_error()
         finally:
-            self.connections -= 1
-            if not conn.handed_off:
-                trio.lowlevel.notify_closing(sock)
-                sock.close()
+            try:
+                if not conn.upgraded:
+                    await conn.linger()
+            finally:
+                self._open.discard(conn)
+                self.connections -= 1
+                self._closed.set()
+                if not conn.upgraded:
+                    trio.lowlevel.notify_closing(sock)
+                    sock.close()

@@ -101,6 +101,8 @@ class OutputHandler:
         self.steps: StampedStepQueue | None = None  # set by ``run``
         self.choices: dict[str, ChoiceState] = {}
         self.engine_stats: dict[int, EngineStats] = {}
+        # When each engine's stats were taken in (trio clock): admission ignores stale ones.
+        self.engine_stats_at: dict[int, float] = {}
         # Under the "stall" stream policy: responses whose clients fell behind during the last step;
         # the next step waits until they have caught up.
         self.stalled: list[StreamingResponse] = []
@@ -132,8 +134,16 @@ class OutputHandler:
                 await self.stalled.pop().wait_drained()
             self.stalled_waiting = 0
 
+    def engine_stats_ages(self, now: float) -> list[tuple[EngineStats, float]]:
+        """Each engine's latest stats with their age in seconds (``now``: trio clock)."""
+        at = self.engine_stats_at
+        return [(stats, now - at[index]) for index, stats in self.engine_stats.items()]
+
     def process(self, step: EngineOutputs) -> None:
         self.engine_stats[step.engine_index] = step.stats
+        self.engine_stats_at[step.engine_index] = trio.current_time()
+        if not step.outputs:
+            return  # an idle engine's report or heartbeat: stats only
         choices = self.choices
         to_abort: list[str] = []
         tokens = 0

@@ -1,10 +1,9 @@
-"""Sinks for the ASGI path and for WebSocket.
+"""Sinks for WebSocket requests.
 
-``SseQueueSink`` keeps framed bytes in a list until its writer task takes them. ``WsSink`` writes one
-request's messages to its socket's ``WsWriter``: the fast path's socket writer (``ws_server.py``,
-non-blocking sends from the output handler, no task wakeup per message) or the ASGI path's outbox.
-"Backlogged" means earlier bytes still wait for the peer, so deltas that arrive meanwhile are merged by
-the response (one-slot collector).
+``WsSink`` writes one request's messages to its socket's ``WsWriter`` (``ws_server.WsConnection``:
+non-blocking sends from the output handler, no task wakeup per message). "Backlogged" means earlier
+bytes still wait for the peer, so deltas that arrive meanwhile are merged by the response (one-slot
+collector).
 """
 
 from __future__ import annotations
@@ -16,42 +15,6 @@ import msgspec
 
 from trioserve.frontend.sinks import Sink
 from trioserve.sync import Waker
-
-
-class SseQueueSink(Sink):
-    """SSE bytes for a streamed ASGI response, or one full body."""
-
-    __slots__ = ("body", "chunks", "ended", "status")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.chunks: list[bytes] = []
-        self.ended = False
-        self.status = 0
-        self.body = b""
-
-    @property
-    def backlogged(self) -> bool:
-        return bool(self.chunks)
-
-    def events(self, payloads: list[bytes]) -> None:
-        self.chunks += [b"data: %b\n\n" % p for p in payloads]
-        self.waker.set()
-
-    def end(self) -> None:
-        self.chunks.append(b"data: [DONE]\n\n")
-        self.ended = True
-        self.waker.set()
-
-    def full(self, status: int, body: bytes) -> None:
-        self.status, self.body = status, body
-        self.ended = True
-        self.waker.set()
-
-    def take(self) -> bytes:
-        data = b"".join(self.chunks)
-        self.chunks.clear()
-        return data
 
 
 class WsWriter(ABC):
@@ -73,33 +36,6 @@ class WsWriter(ABC):
     def send_many(self, messages: list[bytes]) -> None:
         for message in messages:
             self.send(message)
-
-
-class OutboxWriter(WsWriter):
-    """Messages wait in a list until a writer task (the ASGI path) takes them."""
-
-    __slots__ = ("outbox", "waker")
-
-    def __init__(self) -> None:
-        self.outbox: list[bytes] = []
-        self.waker = Waker()
-
-    @property
-    def backlogged(self) -> bool:
-        return bool(self.outbox)
-
-    def send(self, message: bytes) -> None:
-        self.outbox.append(message)
-        self.waker.set()
-
-    def send_many(self, messages: list[bytes]) -> None:
-        self.outbox += messages
-        self.waker.set()
-
-    def take(self) -> list[bytes]:
-        batch = self.outbox
-        self.outbox = []
-        return batch
 
 
 class _NoWake(Waker):

@@ -122,7 +122,9 @@ class StreamingResponse(Response):
         if not (self._pending or sink.backlogged or self.remaining == 0 or self._role_pending[index]):
             # The common case, once per token: one chunk, written at once.
             self.content_events += 1
-            sink.event(self.encoder.delta(index, text, token_ids, finish, stop_reason))
+            sink.event(
+                self.encoder.delta(index, text, token_ids, finish, stop_reason, self.completion_tokens)
+            )
             return
         if sink.backlogged and not self._pending and self._queued < self.policy.queue_events:
             self._queued += 1  # queue:N: this chunk queues behind the socket as it is
@@ -133,7 +135,9 @@ class StreamingResponse(Response):
         if self._role_pending[index]:
             self._role_pending[index] = False
             payloads.append(self.encoder.role(index))
-        payloads.append(self.encoder.delta(index, text, token_ids, finish, stop_reason))
+        payloads.append(
+            self.encoder.delta(index, text, token_ids, finish, stop_reason, self.completion_tokens)
+        )
         self.content_events += 1
         if self.remaining == 0:
             payloads += self._tail()
@@ -178,7 +182,12 @@ class StreamingResponse(Response):
                 payloads.append(self.encoder.role(index))
             payloads.append(
                 self.encoder.delta(
-                    index, merged.text, merged.token_ids, merged.finish_reason, merged.stop_reason
+                    index,
+                    merged.text,
+                    merged.token_ids,
+                    merged.finish_reason,
+                    merged.stop_reason,
+                    self.completion_tokens,
                 )
             )
         self.content_events += len(self._pending)

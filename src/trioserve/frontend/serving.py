@@ -30,7 +30,12 @@ from trioserve.frontend.responses import CollectingResponse, Response, Streaming
 from trioserve.frontend.sinks import Sink
 from trioserve.frontend.stop_strings import StopStringMatcher
 from trioserve.frontend.tokenizer import Tokenizer
-from trioserve.frontend.validate import decode_body, output_options, sampling_params
+from trioserve.frontend.validate import (
+    decode_body,
+    output_options,
+    refuse_unsupported_in_message,
+    sampling_params,
+)
 from trioserve.protocol.messages import AddRequest
 from trioserve.sync import Waker
 
@@ -40,13 +45,37 @@ _ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as the chat template sees them (``name`` only where the client gave one).
+
+    OpenAI's content rule: every message needs content, except an assistant message that has
+    ``tool_calls``. Tool calls are refused for now, so in practice every message needs it. No content
+    is a missing or null ``content`` or an empty list of parts; an empty string is content.
+    """
     if not messages:
         raise ApiError(400, "messages must contain at least one message", param="messages")
     out = []
     for i, m in enumerate(messages):
         if m.role not in _ROLES:
             raise ApiError(400, f"messages[{i}].role must be one of {sorted(_ROLES)}", param="messages")
-        out.append(msgspec.structs.asdict(m))
+        content = m.content
+        if (content is None or content == []) and not (m.role == "assistant" and m.tool_calls):
+            rule = " (an assistant message may omit it only when it has tool_calls)"
+            raise ApiError(
+                400,
+                f"messages[{i}].content is required for a {m.role} message"
+                + (rule if m.role == "assistant" else ""),
+                param=f"messages[{i}].content",
+            )
+        refuse_unsupported_in_message(m, i)
+        message: dict[str, Any] = {
+            "role": m.role,
+            "content": content
+            if content is None or isinstance(content, str)
+            else [{"type": "text", "text": part.text} for part in content],
+        }
+        if m.name is not None:
+            message["name"] = m.name
+        out.append(message)
     return out
 
 
@@ -63,6 +92,8 @@ class Serving:
         self.engine = engine
         self.handler = handler
         self.dead_reason: str | None = None
+        self.engine_retry_after = 1  # Retry-After (s) of the 503s while the engine is unavailable
+        self.draining = False  # shutting down: /health 503, new requests 503
         # 0 workers: render on the event loop itself (no thread handoff, but a long prompt holds up
         # every stream while it renders; deterministic under a MockClock).
         self.renderer = RendererPool(config.renderer_num_workers) if config.renderer_num_workers else None
@@ -121,10 +152,14 @@ class Serving:
 
     async def start(self, kind: Kind, body: bytes, sink: Sink) -> Response:
         arrival = time.time()
+        if self.draining:
+            raise ApiError(503, "the server is shutting down", retry_after=1)
         if self.dead_reason is not None:
-            raise ApiError(503, f"the engine is unavailable: {self.dead_reason}")
+            raise self.engine_unavailable()
         admission = self.admission
-        admission.engine_waiting = sum(s.num_waiting for s in self.handler.engine_stats.values())
+        now = trio.current_time()
+        admission.engine_stall = self.engine.stall(now)
+        admission.observe_engine_stats(self.handler.engine_stats_ages(now))
         admission.observe_output_delay(self.handler.output_delay())
         ticket = admission.admit()  # reserved before rendering ...
         try:
@@ -160,11 +195,14 @@ class Serving:
             prompt_ids = await self.render(self._completion_prompt, req)
         params = sampling_params(req, self.config, len(prompt_ids))
         if self.dead_reason is not None:  # the engine may have gone while we rendered
-            raise ApiError(503, f"the engine is unavailable: {self.dead_reason}")
+            raise self.engine_unavailable()
 
         prefix: Literal["chatcmpl-", "cmpl-"] = "chatcmpl-" if kind == "chat" else "cmpl-"
         response_id = f"{prefix}{self._id_base}{next(self._id_counter):08x}"
-        encoder = ChunkEncoder(kind, response_id, int(arrival), options.model, options.return_token_ids)
+        continuous = len(prompt_ids) if options.continuous_usage else None
+        encoder = ChunkEncoder(
+            kind, response_id, int(arrival), options.model, options.return_token_ids, continuous
+        )
         cls = StreamingResponse if options.stream else CollectingResponse
         response = cls(sink, encoder, options, prompt_ids, self._on_done)
         response.params, response.priority = params, req.priority
@@ -234,8 +272,31 @@ class Serving:
         while self.active:
             await self._finished.wait()
 
-    def on_engine_dead(self, reason: str) -> None:
+    def shut_down(self) -> None:
+        """Drain's deadline: every response still running ends now with an error the client sees
+        (an error event and a proper end of the stream), and its engine requests are aborted."""
+        self.draining = True
+        self.handler.fail_all(503, "the server is shutting down")
+
+    def on_engine_dead(self, reason: str, *, retry_after: int | None = None) -> None:
+        """The engine is gone: every running request fails now, and new ones get 503 (with
+        ``retry_after``, when the caller knows when a replacement is due) until ``on_engine_ready``.
+        The first reason stands until then; later reports only fail what is still running."""
+        if retry_after is not None:
+            self.engine_retry_after = retry_after
         if self.dead_reason is None:
             log.error("engine unavailable: %s", reason)
             self.dead_reason = reason
         self.handler.fail_all(503, f"the engine is unavailable: {reason}")
+
+    def on_engine_ready(self) -> None:
+        """An engine (re)joined: serve again."""
+        if self.dead_reason is not None:
+            log.warning("engine available again (it was unavailable: %s)", self.dead_reason)
+            self.dead_reason = None
+            self.engine_retry_after = 1
+
+    def engine_unavailable(self) -> ApiError:
+        return ApiError(
+            503, f"the engine is unavailable: {self.dead_reason}", retry_after=self.engine_retry_after
+        )

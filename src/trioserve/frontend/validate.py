@@ -1,27 +1,215 @@
 """Turns a decoded OpenAI request into the engine's sampling parameters, or an ``ApiError``.
 
-Checks that need the prompt length (context window) run after rendering, in ``check_length``.
+Order of the checks for one request: decoding (types, unknown fields, nesting), then value ranges,
+then the refusal of parameters that are not supported yet (a value outside OpenAI's range is a range
+error whether or not the feature exists), then the checks that need the prompt length (context
+window), which run after rendering, in ``check_length``.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import msgspec
 
 from trioserve.config import ServeConfig
 from trioserve.frontend.errors import ApiError
-from trioserve.frontend.openai_schema import ChatCompletionRequest, CompletionRequest, _Sampling
+from trioserve.frontend.openai_schema import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    _Sampling,
+)
+from trioserve.frontend.stop_strings import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from trioserve.protocol.messages import SamplingParams
 
 T = TypeVar("T")
 
-_MAX_STOP_STRINGS = 16
 # Every step the engine sends carries each new request's sampling parameters, and the worker ring's
 # slot is sized for at most this many stop ids per request (engine/worker_executor.step_slot_bytes).
 MAX_STOP_TOKEN_IDS = 128
 _INT64 = 2**63
+# Free-form JSON the server hands on (``chat_template_kwargs`` reaches the template as variables) is
+# nested at most this deep; deeper is a 400, never a RecursionError somewhere downstream.
+MAX_JSON_DEPTH = 32
+# OpenAI's bounds: logit_bias entries and values; top_logprobs (chat), which vLLM's default
+# max_logprobs also uses for every logprobs count.
+MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGPROBS = 20
+
+
+# ---- what every accepted field without an effect is, and why ----------------------------------------
+
+INFORMATIONAL_FIELDS: dict[str, str] = {
+    # Accepted at any value: none of them changes what a response contains, at OpenAI or here.
+    "user": "an end-user id OpenAI uses for abuse monitoring; no output depends on it",
+    "safety_identifier": "OpenAI's successor to `user`, for the same monitoring; no output depends on it",
+    "metadata": "tags for completions that OpenAI stores (`store`, refused here unless false); no output "
+    "depends on them",
+    "parallel_tool_calls": "only shapes tool calls, and a request with tools is refused, so nothing that "
+    "gets through can make one",
+    "prompt_cache_key": "a hint for how OpenAI routes requests to its prompt caches; no output depends on "
+    "it (the prefix cache here finds shared prefixes by their tokens)",
+}
+
+
+class Unsupported(NamedTuple):
+    """A parameter that is not implemented yet: accepted only at values whose meaning is what the
+    server does anyway, refused with a 400 naming it at any other value."""
+
+    accepts: str  # the neutral values, as the error message lists them
+    neutral: Callable[[Any, Any], bool]  # (value, the struct holding it) -> neutral?
+    why: str  # why exactly those values are neutral
+
+
+def _none(value: Any, _: Any) -> bool:
+    return value is None
+
+
+def _false(value: Any, _: Any) -> bool:
+    return value is None or value is False
+
+
+def _zero(value: Any, _: Any) -> bool:
+    return value is None or value == 0
+
+
+def _empty(value: Any, _: Any) -> bool:
+    return not value  # None, [] or {}
+
+
+UNSUPPORTED_FIELDS: dict[str, Unsupported] = {
+    # Keys are JSON paths; ``messages[]`` is every message. Checked in this order.
+    "presence_penalty": Unsupported("0", _zero, "0 subtracts nothing from any logit"),
+    "frequency_penalty": Unsupported("0", _zero, "0 subtracts nothing from any logit"),
+    "repetition_penalty": Unsupported(
+        "1", lambda v, _: v is None or v == 1, "dividing or multiplying a logit by 1 changes nothing"
+    ),
+    "min_p": Unsupported("0", _zero, "every token has at least 0 times the top probability: none is cut"),
+    "logit_bias": Unsupported(
+        "null, {} or biases of 0",
+        lambda v, _: v is None or all(b == 0 for b in v.values()),
+        "adding 0 to a logit changes nothing",
+    ),
+    "bad_words": Unsupported("null or []", _empty, "no word is banned"),
+    "best_of": Unsupported(
+        "null or n", lambda v, req: v is None or v == req.n, "the best n of n samples are all n: what n does"
+    ),
+    "echo": Unsupported("false", _false, "false leaves the prompt out of the completion, as the server does"),
+    "logprobs": Unsupported(
+        "null or false",
+        _false,
+        "chat: false asks for none; completions: an integer, and even 0 asks for the sampled tokens' own "
+        "logprobs, so only null",
+    ),
+    "top_logprobs": Unsupported("null or 0", _zero, "0 alternatives per token (and > 0 needs logprobs)"),
+    "prompt_logprobs": Unsupported("null", _none, "even 0 asks for every prompt token's own logprob"),
+    "suffix": Unsupported('null or ""', _empty, "an empty suffix adds nothing after the completion"),
+    "response_format": Unsupported(
+        'null or {"type": "text"}',
+        lambda v, _: v is None or v == {"type": "text"},
+        "plain text is OpenAI's default format and what the server produces",
+    ),
+    "guided_json": Unsupported("null", _none, "any schema constrains the output"),
+    "structured_outputs": Unsupported("null", _none, "any value constrains the output"),
+    "tools": Unsupported("null or []", _empty, "no tools offered: the model answers in text"),
+    "tool_choice": Unsupported(
+        'null or "none"',
+        lambda v, _: v is None or v == "none",
+        '"none" is what a request without tools gets; "auto" and "required" ask for tool calls',
+    ),
+    "store": Unsupported("null or false", _false, "nothing is stored"),
+    "service_tier": Unsupported(
+        'null, "auto" or "default"',
+        lambda v, _: v in (None, "auto", "default"),
+        "the server has one tier, the default; flex or priority would promise another latency",
+    ),
+    "continue_final_message": Unsupported("null or false", _false, "false starts a new assistant turn"),
+    "chat_template": Unsupported("null", _none, "any string is a template that replaces the model's"),
+    "truncate_prompt_tokens": Unsupported(
+        "null", _none, "every value (-1: the context window) cuts long prompts, which the server refuses"
+    ),
+    "stream_options.include_obfuscation": Unsupported(
+        "null or false", _false, "the server's chunks carry no obfuscation padding"
+    ),
+    "messages[].tool_calls": Unsupported("null or []", _empty, "an assistant turn with no tool calls"),
+    "messages[].tool_call_id": Unsupported("null", _none, "a message that answers no tool call"),
+    "messages[].refusal": Unsupported("null", _none, "an assistant turn that refused nothing"),
+    "messages[].annotations": Unsupported("null or []", _empty, "an assistant turn that cites nothing"),
+    "messages[].audio": Unsupported("null", _none, "an assistant turn without audio"),
+    "messages[].function_call": Unsupported(
+        "null", _none, "an assistant turn without a (deprecated-style) function call"
+    ),
+    "modalities": Unsupported(
+        '["text"]', lambda v, _: v is None or v == ["text"], "text is the only output the server produces"
+    ),
+}
+
+_TOP_LEVEL = [(name, entry) for name, entry in UNSUPPORTED_FIELDS.items() if "." not in name]
+_IN_STREAM_OPTIONS = [
+    (name, name.removeprefix("stream_options."), entry)
+    for name, entry in UNSUPPORTED_FIELDS.items()
+    if name.startswith("stream_options.")
+]
+_IN_MESSAGES = [
+    (name.removeprefix("messages[]."), entry)
+    for name, entry in UNSUPPORTED_FIELDS.items()
+    if name.startswith("messages[].")
+]
+
+
+def _not_supported(param: str, entry: Unsupported) -> ApiError:
+    return ApiError(
+        400, f"`{param}` is not supported by this server yet (it accepts only {entry.accepts})", param=param
+    )
+
+
+def refuse_unsupported(req: _Sampling) -> None:
+    """400 for the first not-yet-supported parameter set to a value with an effect."""
+    for name, entry in _TOP_LEVEL:
+        value = getattr(req, name, None)  # each name exists on chat, completions, or both
+        if value is not None and not entry.neutral(value, req):
+            raise _not_supported(name, entry)
+    if req.stream_options is not None:
+        for path, name, entry in _IN_STREAM_OPTIONS:
+            value = getattr(req.stream_options, name)
+            if value is not None and not entry.neutral(value, req.stream_options):
+                raise _not_supported(path, entry)
+
+
+def refuse_unsupported_in_message(message: ChatMessage, index: int) -> None:
+    for name, entry in _IN_MESSAGES:
+        value = getattr(message, name)
+        if value is not None and not entry.neutral(value, message):
+            raise _not_supported(f"messages[{index}].{name}", entry)
+
+
+# ---- decoding --------------------------------------------------------------------------------------
+
+_PATH = re.compile(r"`\$\.?([^`]*)`$")  # msgspec ends a message with the path: ... - at `$.a[0].b`
+_UNKNOWN = re.compile(r"^Object contains unknown field `([^`]*)`")
+_PART_TYPE = re.compile(r"^messages\[\d+\]\.content\[\d+\]\.type$")
+
+
+def _validation_error(message: str) -> ApiError:
+    match = _PATH.search(message)
+    param = match.group(1).replace("[...]", "") if match else ""  # "[...]": some key of a dict
+    unknown = _UNKNOWN.match(message)
+    if unknown:
+        param = f"{param}.{unknown.group(1)}" if param else unknown.group(1)
+        return ApiError(
+            400,
+            f"unknown parameter `{param}` (this server refuses parameters it does not implement rather "
+            "than ignore them)",
+            param=param,
+        )
+    if _PART_TYPE.match(param) and message.startswith("Invalid enum value"):
+        return ApiError(400, f"{param}: only text content parts are supported ({message})", param=param)
+    return ApiError(400, f"invalid request: {message}", param=param or None)
 
 
 def decode_body(body: bytes, kind: type[T]) -> T:
@@ -30,9 +218,34 @@ def decode_body(body: bytes, kind: type[T]) -> T:
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
-        raise ApiError(400, f"invalid request: {exc}") from None
+        raise _validation_error(str(exc)) from None
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"malformed JSON body: {exc}") from None
+    except RecursionError:
+        # msgspec decodes recursively and stops at the interpreter's recursion limit.
+        raise ApiError(400, "the request body is nested too deeply") from None
+
+
+def json_depth(value: object, limit: int) -> int:
+    """How deeply ``value`` nests lists and dicts, counted without recursion up to ``limit + 1``."""
+    deepest = 0
+    stack: list[tuple[object, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth)
+        if depth > limit:
+            return depth
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+# ---- per-request options -----------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +256,7 @@ class OutputOptions:
     n: int
     stream: bool
     include_usage: bool
+    continuous_usage: bool  # usage in every streamed chunk, not only the final one
     return_token_ids: bool
     stop: tuple[str, ...]
     include_stop_str_in_output: bool
@@ -57,29 +271,94 @@ def resolve_model(requested: str | None, names: tuple[str, ...]) -> str:
     return requested
 
 
+def _in_range(value: float | None, param: str, low: float, high: float) -> None:
+    if value is not None and not low <= value <= high:
+        raise ApiError(400, f"{param} must be in [{low:g}, {high:g}], got {value:g}", param=param)
+
+
+def check_ranges(req: _Sampling) -> None:
+    """OpenAI's (and vLLM's) ranges of the parameters not checked where their effect is built."""
+    _in_range(req.presence_penalty, "presence_penalty", -2.0, 2.0)
+    _in_range(req.frequency_penalty, "frequency_penalty", -2.0, 2.0)
+    if req.repetition_penalty is not None and not req.repetition_penalty > 0:
+        raise ApiError(
+            400, f"repetition_penalty must be > 0, got {req.repetition_penalty:g}", param="repetition_penalty"
+        )
+    _in_range(req.min_p, "min_p", 0.0, 1.0)
+    if req.logit_bias is not None:
+        if len(req.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ApiError(
+                400, f"logit_bias may have at most {MAX_LOGIT_BIAS_ENTRIES} entries", param="logit_bias"
+            )
+        for token, bias in req.logit_bias.items():
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ApiError(
+                    400,
+                    f"logit_bias values must be in [-100, 100], got {bias:g} for token {token}",
+                    param="logit_bias",
+                )
+    if req.prompt_logprobs is not None:
+        _in_range(req.prompt_logprobs, "prompt_logprobs", 0, MAX_LOGPROBS)
+    if req.truncate_prompt_tokens is not None and req.truncate_prompt_tokens < -1:
+        raise ApiError(
+            400,
+            "truncate_prompt_tokens must be -1 (the context window) or >= 0",
+            param="truncate_prompt_tokens",
+        )
+    if isinstance(req, ChatCompletionRequest):
+        if req.top_logprobs is not None:
+            _in_range(req.top_logprobs, "top_logprobs", 0, MAX_LOGPROBS)
+            if req.top_logprobs > 0 and not req.logprobs:
+                raise ApiError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
+        kwargs = req.chat_template_kwargs
+        if kwargs is not None and json_depth(kwargs, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+            raise ApiError(
+                400,
+                f"chat_template_kwargs is nested more than {MAX_JSON_DEPTH} levels deep",
+                param="chat_template_kwargs",
+            )
+    elif isinstance(req, CompletionRequest):
+        if req.logprobs is not None:
+            _in_range(req.logprobs, "logprobs", 0, MAX_LOGPROBS)
+        if req.best_of is not None and req.best_of < req.n:
+            raise ApiError(400, f"best_of must be at least n={req.n}, got {req.best_of}", param="best_of")
+
+
+def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    strings = [stop] if isinstance(stop, str) else stop
+    # Counted as sent (empty strings too): the limit bounds the work a request can ask for.
+    if len(strings) > MAX_STOP_STRINGS:
+        raise ApiError(400, f"at most {MAX_STOP_STRINGS} stop strings are allowed", param="stop")
+    if any(len(s) > MAX_STOP_STRING_CHARS for s in strings):
+        raise ApiError(
+            400, f"a stop string may be at most {MAX_STOP_STRING_CHARS} characters long", param="stop"
+        )
+    return tuple(s for s in strings if s)
+
+
 def output_options(req: _Sampling, config: ServeConfig) -> OutputOptions:
     model = resolve_model(req.model, config.model_names)
     if not 1 <= req.n <= config.max_n:
         raise ApiError(400, f"n must be between 1 and {config.max_n}, got {req.n}", param="n")
-    if req.logprobs:
-        raise ApiError(400, "logprobs are not supported by this server", param="logprobs")
-    stop: tuple[str, ...]
-    if req.stop is None:
-        stop = ()
-    elif isinstance(req.stop, str):
-        stop = (req.stop,) if req.stop else ()
-    else:
-        stop = tuple(s for s in req.stop if s)
-    if len(stop) > _MAX_STOP_STRINGS:
-        raise ApiError(400, f"at most {_MAX_STOP_STRINGS} stop strings are allowed", param="stop")
+    check_ranges(req)
+    refuse_unsupported(req)
+    stop = _stop_strings(req.stop)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     if req.stream_options is not None and not req.stream:
         raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
+    # vLLM's rule: usage on every chunk is a refinement of include_usage, and means nothing without it.
+    continuous_usage = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+    if continuous_usage and not include_usage:
+        param = "stream_options.continuous_usage_stats"
+        raise ApiError(400, "continuous_usage_stats needs include_usage: true", param=param)
     return OutputOptions(
         model=model,
         n=req.n,
         stream=req.stream,
         include_usage=include_usage,
+        continuous_usage=continuous_usage,
         return_token_ids=req.return_token_ids,
         stop=stop,
         include_stop_str_in_output=req.include_stop_str_in_output,

@@ -1,16 +1,14 @@
 """The WebSocket route ``/v1/ws`` (docs/websocket.md): its protocol and its fast path.
 
-``WsSession`` is the protocol of one socket (requests, cancels, ids, final messages), whatever carries
-it. A connection whose first request is a WebSocket upgrade of ``/v1/ws`` is carried here, on the accept
+``WsSession`` is the protocol of one socket (requests, cancels, ids, final messages). A WebSocket
+upgrade of ``/v1/ws`` (the first request on a connection or a later one) is carried here, on the accept
 loop's socket, the way the HTTP fast path carries SSE: the output handler writes each message (one
 unmasked text frame, framed by hand) with a non-blocking ``send``, so no task wakes per token. Whatever
 the kernel does not take waits in the connection's buffer; while it is non-empty every request on the
 socket is backlogged and merges its deltas (or queues, stalls, aborts: ``--stream-policy``), and a
 drain task sends the rest once the socket is writable, then lets the merged deltas out. A reader task
 parses the client's frames with wsproto (masking, fragments, ping, close), so cancels and EOF are seen
-even while the writer is behind. Any other handed-off connection (and an upgrade on a keep-alive
-connection that hypercorn already owns) goes to hypercorn and the quart route, which runs the same
-``WsSession`` over an ASGI writer task.
+even while the writer is behind.
 """
 
 from __future__ import annotations
@@ -18,8 +16,8 @@ from __future__ import annotations
 import base64
 import contextlib
 import hashlib
+import logging
 import socket
-from typing import Any
 
 import h11
 import msgspec
@@ -30,7 +28,7 @@ from wsproto.utilities import LocalProtocolError
 
 from trioserve.frontend.chunks import Kind
 from trioserve.frontend.errors import ApiError, error_body
-from trioserve.frontend.http_server import Handoff
+from trioserve.frontend.http_server import Upgrade
 from trioserve.frontend.http_sink import send_or_buffer
 from trioserve.frontend.queue_sinks import WsSink, WsWriter
 from trioserve.frontend.responses import Response
@@ -41,13 +39,17 @@ WS_PATH = b"/v1/ws"
 _GET_WS = b"GET " + WS_PATH
 _GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"  # RFC 6455 section 1.3
 _RECV = 65536
+READ_PAUSE_BYTES = 256 * 1024  # output waiting for the client beyond which its messages wait too
 _MAX_HEAD = 64 * 1024
-_GOING_AWAY = b"\x88\x02\x03\xe9"  # close frame, code 1001: the server is stopping
+# Close frame, code 1001 with its reason (RFC 6455 5.5.1: code, then UTF-8 text; 125 bytes at most).
+_GOING_AWAY = b"\x88%c\x03\xe9%b" % (2 + len(b"the server is shutting down"), b"the server is shutting down")
 
 
 class WsRequest(msgspec.Struct, tag_field="type", tag="request"):
     id: str
-    body: dict[str, Any]
+    # Kept as the raw JSON text: ``Serving.start`` decodes it with the route's own schema, so a bad
+    # body is an error for this id (not for the socket) and the body is not decoded twice.
+    body: msgspec.Raw
     endpoint: str = "chat.completions"
 
 
@@ -57,6 +59,7 @@ class WsCancel(msgspec.Struct, tag_field="type", tag="cancel"):
 
 _decoder = msgspec.json.Decoder(WsRequest | WsCancel)
 _ENDPOINTS: dict[str, Kind] = {"chat.completions": "chat", "completions": "completion"}
+log = logging.getLogger("trioserve.frontend")
 
 
 class WsSession:
@@ -76,6 +79,9 @@ class WsSession:
             msg = _decoder.decode(raw)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             self.refuse(400, f"bad message: {exc}")
+            return
+        except RecursionError:  # msgspec recurses into nested JSON, even to skip over ``body``
+            self.refuse(400, "bad message: nested too deeply")
             return
         if isinstance(msg, WsCancel):
             if msg.id in self._starting:
@@ -106,6 +112,11 @@ class WsSession:
             response = await self._serving.start(kind, msgspec.json.encode(msg.body), sink)
         except ApiError as exc:
             sink.full(exc.status, exc.body())
+            return
+        except Exception:
+            # A bug must cost this request only, never the socket's other requests.
+            log.exception("starting WebSocket request %r failed", msg.id)
+            sink.full(500, error_body(500, "internal server error (logged)"))
             return
         finally:
             cancelled = self._starting.pop(msg.id)
@@ -152,7 +163,7 @@ def accept_key(key: bytes) -> bytes:
 
 def upgrade_response(prefix: bytes) -> tuple[bytes, bytes] | None:
     """If ``prefix`` (the bytes read so far) is a WebSocket upgrade of ``/v1/ws``: the ``101``
-    response and the bytes after the request. None for anything else (hypercorn answers it)."""
+    response and the bytes after the request. None for anything else (the accept loop answers it)."""
     if not (prefix.startswith(_GET_WS) and prefix[len(_GET_WS) : len(_GET_WS) + 1] in (b" ", b"?")):
         return None
     conn = h11.Connection(h11.SERVER, max_incomplete_event_size=_MAX_HEAD)
@@ -191,13 +202,14 @@ def upgrade_response(prefix: bytes) -> tuple[bytes, bytes] | None:
 class WsConnection(WsWriter):
     """One upgraded socket: the writer its requests share, a reader task and a drain task."""
 
-    __slots__ = ("_buf", "_max_message", "_serving", "_session", "_sock", "_waker", "closed")
+    __slots__ = ("_buf", "_caught_up", "_max_message", "_serving", "_session", "_sock", "_waker", "closed")
 
     def __init__(self, sock: socket.socket, serving: Serving) -> None:
         self._sock = sock
         self._serving = serving
         self._buf = bytearray()  # bytes the kernel has not taken yet
         self._waker = Waker()  # wakes the drain task when ``_buf`` fills or the socket failed
+        self._caught_up = Waker()  # wakes a paused reader when ``_buf`` fell below READ_PAUSE_BYTES
         self._session: WsSession | None = None
         self._max_message = serving.config.max_request_body_bytes + 65536
         self.closed = False  # the socket failed: writes are dropped
@@ -205,6 +217,11 @@ class WsConnection(WsWriter):
     @property
     def backlogged(self) -> bool:
         return bool(self._buf)
+
+    @property
+    def backlog_bytes(self) -> int:
+        """Bytes written but not yet taken by the kernel (the client is behind)."""
+        return len(self._buf)
 
     def send(self, message: bytes) -> None:
         self._write(text_frame(message))
@@ -249,6 +266,7 @@ class WsConnection(WsWriter):
         size = 0
         while True:
             for event in ws.events():
+                await self._pause_while_behind()
                 if isinstance(event, TextMessage | BytesMessage):
                     size += len(event.data)
                     if size > self._max_message:
@@ -280,6 +298,15 @@ class WsConnection(WsWriter):
                 return
             ws.receive_data(data)
 
+    async def _pause_while_behind(self) -> None:
+        """Rule: the reader handles no further client message while ``READ_PAUSE_BYTES`` or more of
+        output wait for the client. Streamed deltas merge while the socket is backlogged, but
+        replies to client messages (errors, pongs, refusals) do not, so a client that sends and
+        never reads would otherwise grow this buffer without bound; paused, it meets TCP's own
+        backpressure instead."""
+        while len(self._buf) >= READ_PAUSE_BYTES and not self.closed:
+            await self._caught_up.wait()
+
     async def _recv(self) -> bytes:
         while True:
             try:
@@ -306,24 +333,27 @@ class WsConnection(WsWriter):
                 self.closed = True
                 break
             del self._buf[:sent]
+            if len(self._buf) < READ_PAUSE_BYTES:
+                self._caught_up.set()
             if not self._buf and self._session is not None:
                 self._session.drained()
+        self._caught_up.set()
         scope.cancel()
 
 
-def websocket_handoff(serving: Serving, fallback: Handoff) -> Handoff:
-    """Wraps the accept loop's handoff: WebSocket upgrades of ``/v1/ws`` are served here, anything
-    else goes on to ``fallback`` (hypercorn)."""
+def websocket_upgrade(serving: Serving) -> Upgrade:
+    """The accept loop's ``/v1/ws`` handler: a valid upgrade becomes a ``WsConnection`` on the same
+    socket (True); anything else is left to the accept loop to answer (False, nothing written)."""
 
-    async def handoff(sock: socket.socket, prefix: bytes) -> None:
-        upgrade = upgrade_response(prefix)
-        if upgrade is None:
-            await fallback(sock, prefix)
-            return
+    async def upgrade(sock: socket.socket, prefix: bytes) -> bool:
+        response = upgrade_response(prefix)
+        if response is None:
+            return False
         try:
-            await WsConnection(sock, serving).run(*upgrade)
+            await WsConnection(sock, serving).run(*response)
         finally:
             trio.lowlevel.notify_closing(sock)
             sock.close()
+        return True
 
-    return handoff
+    return upgrade

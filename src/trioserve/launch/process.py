@@ -1,9 +1,10 @@
-"""Process-level helpers: titles, logging, and watching the parent process."""
+"""Process-level helpers: titles, logging, descriptor limits, and watching the parent process."""
 
 from __future__ import annotations
 
 import logging
 import os
+import resource
 import signal
 
 import setproctitle
@@ -20,6 +21,21 @@ def setup_logging(level: str) -> None:
         level=level.upper(),
         format="%(asctime)s %(levelname)s [%(process)d %(name)s] %(message)s",
     )
+
+
+def raise_open_file_limit(log: logging.Logger) -> int:
+    """Raise this process's soft limit on open files to its hard limit (each client connection is
+    a descriptor; a common default soft limit is 1024), log it, and return the limit in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if resource.RLIM_INFINITY in (hard, soft) or soft >= hard:
+        return soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError) as exc:
+        log.warning("could not raise the open-file limit from %d to %d: %s", soft, hard, exc)
+        return soft
+    log.info("open-file limit raised from %d to %d (the hard limit)", soft, hard)
+    return hard
 
 
 async def exit_when_parent_dies(interval: float = 0.5) -> None:

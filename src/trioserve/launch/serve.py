@@ -2,8 +2,14 @@
 
 Shutdown (SIGINT/SIGTERM): stop accepting, let in-flight requests finish for ``--shutdown-timeout``,
 then cancel everything; the engine client tells each engine to shut down, and the engine process is
-terminated (then killed) if it has not exited a few seconds later. The engine process also exits by
-itself if this process disappears.
+terminated (then killed) if it has not exited a few seconds later.
+
+Faults (docs/faults.md): ``EngineSupervisor`` (launch/engine_supervisor.py) starts the engine process
+and restarts it with backoff when it dies, or, under ``--engine-restart never``, makes this process drain
+and exit with code 1. The engine process exits by itself if this process disappears: it polls its parent
+pid (``PR_SET_PDEATHSIG`` would not do: trio starts processes from a worker thread, and that signal
+fires when the starting *thread* exits). A SIGKILL leaves this process's IPC folder behind; the next API
+server to start removes it (launch/ipc_dir.py).
 """
 
 from __future__ import annotations
@@ -11,12 +17,10 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
-import os
 import socket
 import subprocess
 import sys
-import tempfile
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import trio
 import zmq
@@ -24,14 +28,13 @@ import zmq
 from trioserve.config import ServeConfig
 from trioserve.frontend.api_server import ApiServer, EngineAddresses
 from trioserve.frontend.tokenizer import load_tokenizer
-from trioserve.launch.process import exit_on_signals, set_title, setup_logging
+from trioserve.launch.engine_supervisor import EngineFailed, EngineStartupError, EngineSupervisor
+from trioserve.launch.ipc_dir import ipc_dir as make_ipc_dir
+from trioserve.launch.ipc_dir import sweep_stale
+from trioserve.launch.process import exit_on_signals, raise_open_file_limit, set_title, setup_logging
 from trioserve.worker.geometry import KVGeometry
 
 log = logging.getLogger("trioserve")
-
-
-class EngineStartupError(RuntimeError):
-    pass
 
 
 def open_listener(host: str, port: int, backlog: int = 4096) -> socket.socket:
@@ -79,30 +82,17 @@ def engine_command(config: ServeConfig, handshake: str) -> list[str]:
     return [sys.executable, "-m", "trioserve", "engine-core", *common, *specific]
 
 
-async def run_engine_process(
-    command: list[str],
-    on_exit: Callable[[int], None],
-    *,
-    task_status: trio.TaskStatus[trio.Process] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Own one engine process: report its exit, and terminate it when cancelled."""
-    proc = await trio.lowlevel.open_process(command, stdin=subprocess.DEVNULL)
-    task_status.started(proc)
-    try:
-        code = await proc.wait()
-        on_exit(code)
-    finally:
-        if proc.returncode is None:
-            with trio.CancelScope(shield=True):
-                with trio.move_on_after(3):
-                    await proc.wait()
-                if proc.returncode is None:
-                    proc.terminate()
-                    with trio.move_on_after(3):
-                        await proc.wait()
-                if proc.returncode is None:
-                    proc.kill()
-                    await proc.wait()
+async def until_stop(supervisor: EngineSupervisor | None) -> None:
+    """Returns on the first SIGINT or SIGTERM, or once the engine died under ``--engine-restart never``."""
+    async with trio.open_nursery() as nursery:
+
+        async def stop_after(waiter: Callable[[], Awaitable[object]]) -> None:
+            await waiter()
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(stop_after, exit_on_signals)
+        if supervisor is not None:
+            nursery.start_soon(stop_after, supervisor.failed.wait)
 
 
 async def serve(config: ServeConfig, listener: socket.socket, ipc_dir: str) -> None:
@@ -118,36 +108,47 @@ async def serve(config: ServeConfig, listener: socket.socket, ipc_dir: str) -> N
     # the collector's generations so full collections stop re-walking it (vLLM does the same).
     gc.collect()
     gc.freeze()
-    ready = False
-    stopping = False
+    supervisor: EngineSupervisor | None = None
+    if config.engine != "external":  # an external engine is its operator's to restart
+        command = engine_command(config, addresses.handshake)
 
-    def engine_exited(code: int) -> None:
-        if stopping:
-            return
-        if not ready:
-            raise EngineStartupError(f"the engine process exited with code {code} during start-up")
-        api.serving.on_engine_dead(f"the engine process exited with code {code}")
+        async def spawn() -> trio.Process:
+            return await trio.lowlevel.open_process(command, stdin=subprocess.DEVNULL)
 
+        def dead(reason: str, retry_after: int) -> None:
+            api.engine.mark_dead(reason)
+            api.serving.on_engine_dead(reason, retry_after=retry_after)
+
+        def restarted() -> None:
+            api.engine_restarts += 1
+
+        supervisor = EngineSupervisor(
+            spawn,
+            api.engine,
+            dead,
+            restart=config.engine_restart,
+            ready_timeout=config.engine_ready_timeout,
+            on_restart=restarted,
+        )
     try:
         async with trio.open_nursery() as nursery:
-            if config.engine != "external":
-                command = engine_command(config, addresses.handshake)
-                await nursery.start(run_engine_process, command, engine_exited)
+            if supervisor is not None:
+                await nursery.start(supervisor.run)
             await nursery.start(api.run, listener)
-            ready = True
             host, port = listener.getsockname()[:2]
             log.info(
                 "trioserve ready on http://%s:%d (model names: %s)", host, port, ", ".join(config.model_names)
             )
-            await exit_on_signals()
+            await until_stop(supervisor)
             log.info("shutting down: draining %d requests", len(api.serving.active))
-            stopping = True
-            api.http.stop_accepting()
-            with trio.move_on_after(config.shutdown_timeout):
-                await api.serving.drained()
+            if supervisor is not None:
+                supervisor.stop()
+            await api.drain(config.shutdown_timeout)
             nursery.cancel_scope.cancel()
     finally:
         ctx.destroy(linger=0)
+    if supervisor is not None and supervisor.failure is not None:
+        raise EngineFailed(supervisor.failure)
 
 
 def resolve_model(config: ServeConfig) -> ServeConfig:
@@ -179,15 +180,18 @@ def run_serve(config: ServeConfig) -> int:
             print(f"trioserve serve: error: {exc}", file=sys.stderr)
             return 1
     try:
+        raise_open_file_limit(log)
         listener = open_listener(config.host, config.port)
     except OSError as exc:
         print(f"trioserve serve: error: cannot listen on {config.host}:{config.port}: {exc}", file=sys.stderr)
         return 1
-    with tempfile.TemporaryDirectory(prefix=f"trioserve-{os.getpid()}-") as ipc_dir:
+    for name in sweep_stale():
+        log.info("removed %s, the IPC folder of an API server that was killed", name)
+    with make_ipc_dir() as ipc_dir:
         failed = False
         try:
             trio.run(serve, config, listener, ipc_dir)
-        except* EngineStartupError as group:
+        except* (EngineStartupError, EngineFailed) as group:
             failed = True
             for error in group.exceptions:
                 log.error("%s", error)  # noqa: TRY400  (the message says it all; no traceback)

@@ -5,6 +5,10 @@ Timing model (what a GPU would do, minus the GPU): a step starts as soon as ther
 clock exactly; a step that starts late (the loop was busy) starts at once and later steps are spaced
 from there (tokio's ``MissedTickBehavior::Delay``, as in seed 000's patch). Aborts that arrive during a
 step are applied before that step's tokens are made, so a stop-string abort costs at most one step.
+
+Stats-only messages (``engine.output_pump.Heartbeat``): right after the step in which the last request
+finished or was aborted, and every ``HEARTBEAT_INTERVAL`` to an API server that heard nothing
+meanwhile (while idle: to every API server, from the idle wait).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import zmq
 
 from trioserve.config import MockEngineConfig
 from trioserve.engine.output_pump import OutputPump
-from trioserve.engine.shell import run_engine
+from trioserve.engine.shell import run_engine, wait_for_work
 from trioserve.mock.core import MockCore
 from trioserve.protocol.messages import (
     AbortRequests,
@@ -92,7 +96,8 @@ class MockEngine:
         next_start = trio.current_time()
         while not self._shutdown:
             if not self.core.has_work and not self._rejected:
-                await self._work.wait()
+                await pump.send_stats(False, self._stats_message)  # the idle report, heartbeats
+                await wait_for_work(self._work, pump)
                 next_start = trio.current_time()  # a step starts as soon as work arrives
                 continue
             now = trio.current_time()
@@ -115,3 +120,7 @@ class MockEngine:
                 await pump.send(
                     client, EngineOutputs(self.config.engine_index, self.step_count, now, outs, stats)
                 )
+            await pump.send_stats(self.core.has_work, self._stats_message)
+
+    def _stats_message(self) -> EngineOutputs:
+        return EngineOutputs(self.config.engine_index, self.step_count, time.time(), [], self.core.stats())

@@ -18,6 +18,12 @@ import msgspec
 
 PROTOCOL_VERSION = 1
 
+# An engine sends every API server a message at least this often (seconds), busy or idle: an idle
+# engine's stats-only ``EngineOutputs`` is its heartbeat. API servers rely on it twice: engine stats
+# older than a few intervals are stale (admission ignores them), and an engine silent for longer than
+# its stall bound is reported stalled (``frontend/engine_health.py``).
+HEARTBEAT_INTERVAL = 1.0
+
 # The reasons a request can finish, as the engine reports them. "stop" covers EOS and stop token ids
 # (the engine sees them as soon as it samples them); stop *strings* are matched in the API server,
 # which then aborts the request on the engine.
@@ -130,7 +136,8 @@ class RequestOutput(_Wire):
 
 
 class EngineStats(_Wire):
-    """Queue stats of one engine, sent with every step so API servers need no extra round trip."""
+    """Queue stats of one engine, sent with every step so API servers need no extra round trip, and
+    in the stats-only messages of an idle engine (see ``EngineOutputs``)."""
 
     num_waiting: int
     num_running: int
@@ -138,11 +145,17 @@ class EngineStats(_Wire):
     num_preemptions: int = 0  # cumulative
     prefix_cache_queries: int = 0  # cumulative tokens looked up
     prefix_cache_hits: int = 0  # cumulative tokens found
+    folded_steps: int = 0  # cumulative steps the engine's output pump folded (its socket was full)
 
 
 class EngineOutputs(_Wire, tag="out"):
+    """One engine step's outputs for one API server; or, with no outputs, a stats-only message: the
+    report an engine sends right after the step in which its last request finished or was aborted
+    (so the queue stats read 0 at once), and its heartbeat, sent to an API server that got no message
+    for ``HEARTBEAT_INTERVAL``. A stats-only message repeats the number of the last step."""
+
     engine_index: int
-    step: int  # engine step counter, strictly increasing per engine
+    step: int  # engine step counter: increasing per engine (repeated by stats-only messages)
     timestamp: float  # engine wall clock at the end of the step
     outputs: list[RequestOutput]
     stats: EngineStats

@@ -7,7 +7,7 @@ msgspec frames); the ring adds a sequence number and a length, nothing else.
 Segment layout (native byte order, every field naturally aligned, every area on its own 64-byte line)::
 
     header    magic u64 | num_slots u32 | slot_size u32 | num_readers u32 | writer pid u32
-              | writer state u32 | pad u32 | writer wants u64
+              | writer state u32 | flags u32 | writer wants u64
     reader i  ack u64 | wants u64 | pid u32 | state u32
     slot k    seq u64 | length u32 | pad u32 | payload[slot_size]           (stride rounded up to 64)
 
@@ -73,6 +73,15 @@ child calls ``RingReader.attach(handle)`` (or ``RingWriter.attach``), which maps
 registering it with multiprocessing's resource tracker: only the creator tracks and unlinks it (and its
 tracker unlinks it if the creator is killed).
 
+Rule 5 (``ShmRing(..., unlink_when_attached=True)``, a flag in the header): the segment's name is
+unlinked as soon as every endpoint has attached, by whichever endpoint attaches last (each one, after
+storing ATTACHED, puts a full barrier before it loads the others' states, so of two that attach at once
+at least one sees both). The mappings stay valid; the kernel frees the memory with the last of them. From
+then on no kill of any process, in any order, leaves the segment behind; only the start-up window before
+the last attach relies on the creator (``close``) and its tracker. The creator's tracker entry goes
+exactly once: in ``release_tracking()`` (once the name is gone, so that a killed creator's tracker does
+not warn about a segment that no longer exists) or else in ``close``.
+
 Each endpoint is used by one thread or one Trio task at a time.
 """
 
@@ -112,6 +121,7 @@ _H_SLOT_SIZE = 12  # u32
 _H_NUM_READERS = 16  # u32
 _H_WRITER_PID = 20  # u32
 _H_WRITER_STATE = 24  # u32
+_H_FLAGS = 28  # u32: the creator's options, written before anyone attaches
 _H_WRITER_WANTS = 32  # u64: the ack the writer sleeps for, 0 when it is not sleeping
 # Within reader i's line:
 _R_ACK = 0  # u64
@@ -121,6 +131,8 @@ _R_STATE = 20  # u32
 # Within a slot:
 _S_SEQ = 0  # u64
 _S_LENGTH = 8  # u32
+
+FLAG_UNLINK_WHEN_ATTACHED = 1  # rule 5
 
 # Endpoint states (writer state and reader state).
 PENDING, ATTACHED, GONE = 0, 1, 2
@@ -367,6 +379,25 @@ def _attach_segment(name: str) -> SharedMemory:
             resource_tracker.register = register
 
 
+def _all_attached(u32: memoryview, geometry: RingGeometry) -> bool:
+    """No endpoint is PENDING: every one attached (or never will: closed, or given up by ``close``)."""
+    offsets = (_H_WRITER_STATE, *(geometry.reader_offset(i) + _R_STATE for i in range(geometry.num_readers)))
+    return all(u32[offset // 4] != PENDING for offset in offsets)
+
+
+def _unlink_untracked(shm: SharedMemory) -> None:
+    """Unlink the segment's name without telling this process's resource tracker (rule 5: an attached
+    process has no tracker entry for it; the creator's goes in ``release_tracking`` or ``close``)."""
+    with _attach_lock:
+        unregister = resource_tracker.unregister
+        resource_tracker.unregister = _skip_register
+        try:
+            with suppress(FileNotFoundError):  # another endpoint was as quick (see rule 5)
+                shm.unlink()
+        finally:
+            resource_tracker.unregister = unregister
+
+
 def _view(shm: SharedMemory) -> memoryview:
     buf = shm.buf
     if buf is None:
@@ -473,6 +504,10 @@ class _Endpoint:
             raise RingClosed(f"{what} of ring {self._shm.name} is already attached or closed")
         self._u32[pid_offset // 4] = os.getpid()
         self._u32[state_offset // 4] = ATTACHED
+        if self._u32[_H_FLAGS // 4] & FLAG_UNLINK_WHEN_ATTACHED:
+            _full_fence()  # our ATTACHED store before the loads of the other states (rule 5)
+            if _all_attached(self._u32, self.geometry):
+                _unlink_untracked(self._shm)
 
     def _check_open(self) -> None:
         if self.closed:
@@ -867,8 +902,15 @@ class ShmRing:
     """
 
     def __init__(
-        self, num_slots: int, slot_size: int, num_readers: int = 1, *, name: str | None = None
+        self,
+        num_slots: int,
+        slot_size: int,
+        num_readers: int = 1,
+        *,
+        name: str | None = None,
+        unlink_when_attached: bool = False,
     ) -> None:
+        """``unlink_when_attached``: rule 5 (the name goes once every endpoint has attached)."""
         _check_platform()
         self.geometry = geometry = RingGeometry(num_slots, slot_size, num_readers)
         self._shm = SharedMemory(
@@ -877,6 +919,7 @@ class ShmRing:
         self.name = self._shm.name
         self._local: list[_Endpoint] = []
         self._open_fds: set[int] = set()
+        self._tracked = True  # this process's resource tracker lists the segment
         self._data_pipes: list[tuple[int, int]] = []  # (read end, write end) per reader
         self._ack_pipes: list[tuple[int, int]] = []
         self.closed = False
@@ -893,6 +936,7 @@ class ShmRing:
             u32[_H_NUM_SLOTS // 4] = num_slots
             u32[_H_SLOT_SIZE // 4] = slot_size
             u32[_H_NUM_READERS // 4] = num_readers
+            u32[_H_FLAGS // 4] = FLAG_UNLINK_WHEN_ATTACHED if unlink_when_attached else 0
             u64[_H_MAGIC // 8] = MAGIC
             u32.release()
             u64.release()
@@ -957,6 +1001,22 @@ class ShmRing:
         data_fd, ack_fd = self._reader_fds(index)
         yield from self._handoff(self._handle("reader", index, (data_fd,), (ack_fd,)), f"reader {index}")
 
+    def release_tracking(self) -> bool:
+        """With rule 5: once every endpoint has attached (the name is gone), take the segment off this
+        process's resource tracker. True if it is off (now or before)."""
+        if self.closed or not self._tracked:
+            return not self._tracked
+        u32 = _view(self._shm).cast("I")
+        try:
+            if not u32[_H_FLAGS // 4] & FLAG_UNLINK_WHEN_ATTACHED or not _all_attached(u32, self.geometry):
+                return False
+        finally:
+            u32.release()
+        _unlink_untracked(self._shm)  # normally done already by the last endpoint to attach
+        resource_tracker.unregister(f"/{self.name}", "shared_memory")
+        self._tracked = False
+        return True
+
     def close(self) -> None:
         """Close this process's endpoints and fds, then unmap and unlink the segment."""
         if self.closed:
@@ -978,8 +1038,13 @@ class ShmRing:
             _close_fd(fd)
         self._open_fds.clear()
         self._shm.close()
-        with suppress(FileNotFoundError):
+        if not self._tracked:
+            return
+        try:
             self._shm.unlink()
+        except FileNotFoundError:
+            # Unlinked already (rule 5, or by hand): our tracker still lists it until we say otherwise.
+            resource_tracker.unregister(f"/{self.name}", "shared_memory")
 
     def __enter__(self) -> ShmRing:
         return self

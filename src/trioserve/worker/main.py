@@ -3,8 +3,9 @@
 A plain synchronous loop, no event loop: block on the step ring, run the step, and (output rank only)
 put the sampled tokens on the result ring. The engine core owns this process's lifetime:
 
-- it ends on ``WorkerShutdown``, or when the step ring's writer closes or dies (pipe EOF), so a worker
-  never outlives its engine core;
+- it ends on ``WorkerShutdown``, or when the step ring's writer closes or dies (pipe EOF), or when the
+  result ring's reader is found dead while answering, so a worker never outlives its engine core (one
+  busy in a step notices when the step ends);
 - SIGINT is ignored (a Ctrl-C in the terminal reaches the whole process group; the engine core decides
   when its workers stop), SIGTERM ends it;
 - a step that raises is reported as ``WorkerFailed`` with the error before the process exits, so the
@@ -16,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -31,7 +33,7 @@ from trioserve.protocol.worker_messages import (
     WorkerStep,
     worker_input_codec,
 )
-from trioserve.transport.shm_ring import RingReader, RingWriter, WriterClosed, WriterDied
+from trioserve.transport.shm_ring import ReaderDied, RingReader, RingWriter, WriterClosed, WriterDied
 from trioserve.worker.geometry import KVGeometry
 from trioserve.worker.model_runner import ModelRunner, RunnerConfig
 
@@ -68,37 +70,43 @@ def run_worker(config: WorkerConfig) -> int:
             results.write_blocking(encoder.encode(message))
 
     try:
-        try:
-            runner = _load(config)
-        except Exception as exc:
-            log.exception("worker %d could not load %s", config.rank, config.model)
-            answer(WorkerFailed(config.rank, f"loading {config.model} failed: {exc!r}"))
-            return 1
-        answer(
-            WorkerReady(config.rank, os.getpid(), runner.load_seconds, str(runner.device), runner.num_blocks)
-        )
-        codec = worker_input_codec()
-        while True:
-            try:
-                frame = steps.read_blocking()
-            except (WriterClosed, WriterDied):
-                log.info("worker %d: the engine core is gone; exiting", config.rank)
-                return 0
-            match codec.decode(frame):
-                case WorkerShutdown():
-                    return 0
-                case WorkerStep(step=step):
-                    try:
-                        sampled = runner.execute(step)
-                    except Exception as exc:
-                        log.exception("worker %d failed in step %d", config.rank, step.step)
-                        answer(WorkerFailed(config.rank, f"step {step.step} failed: {exc!r}"))
-                        return 1
-                    answer(StepResult(step.step, sampled))
+        return _serve(config, steps, answer)
+    except ReaderDied:  # answering: the engine core, the result ring's one reader, is gone
+        log.info("worker %d: the engine core is gone; exiting", config.rank)
+        return 0
     finally:
         steps.close()
         if results is not None:
             results.close()
+
+
+def _serve(config: WorkerConfig, steps: RingReader, answer: Callable[[msgspec.Struct], None]) -> int:
+    """Load the model, say so, then run steps until told to stop (the return value: the exit code)."""
+    try:
+        runner = _load(config)
+    except Exception as exc:
+        log.exception("worker %d could not load %s", config.rank, config.model)
+        answer(WorkerFailed(config.rank, f"loading {config.model} failed: {exc!r}"))
+        return 1
+    answer(WorkerReady(config.rank, os.getpid(), runner.load_seconds, str(runner.device), runner.num_blocks))
+    codec = worker_input_codec()
+    while True:
+        try:
+            frame = steps.read_blocking()
+        except (WriterClosed, WriterDied):
+            log.info("worker %d: the engine core is gone; exiting", config.rank)
+            return 0
+        match codec.decode(frame):
+            case WorkerShutdown():
+                return 0
+            case WorkerStep(step=step):
+                try:
+                    sampled = runner.execute(step)
+                except Exception as exc:
+                    log.exception("worker %d failed in step %d", config.rank, step.step)
+                    answer(WorkerFailed(config.rank, f"step {step.step} failed: {exc!r}"))
+                    return 1
+                answer(StepResult(step.step, sampled))
 
 
 def _load(config: WorkerConfig) -> ModelRunner:
