@@ -223,3 +223,47 @@ async def test_head_gets_the_head_without_the_body(stack: Stack, path: str) -> N
     assert reply.body == b""
     client.conn.start_next_cycle()
     assert (await client.request("/health", b"", method="GET")).status == 200  # the connection goes on
+
+
+async def test_head_of_a_generation_route_is_405_without_a_body(stack: Stack) -> None:
+    client = await stack.client()
+    await client.send_request(CHAT, b"", method="HEAD")
+    reply = await client.read_body(await client.read_head())
+    assert reply.status == 405 and reply.headers[b"allow"] == b"POST" and reply.body == b""
+    client.conn.start_next_cycle()
+    assert (await client.request("/health", b"", method="GET")).status == 200
+
+
+async def test_drain_waits_for_a_request_still_rendering_and_refuses_it(
+    stack: Stack, autojump_clock: MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request that is rendering when drain begins is in flight too: drain waits for it, and it
+    is refused with 503 when its rendering ends (it would otherwise reach the engine after drain)."""
+    serving = stack.api.serving
+    rendered = trio.Event()
+    real_render = serving.render
+
+    async def slow_render(fn: object, *args: object) -> object:
+        await rendered.wait()
+        return await real_render(fn, *args)
+
+    monkeypatch.setattr(serving, "render", slow_render)
+    client = await stack.client()
+    await client.send_request(CHAT, chat_body(3))
+    await trio.sleep(0.1)
+    assert serving.admission.in_flight == 1 and not serving.active
+    done = trio.Event()
+
+    async def drain() -> None:
+        await stack.api.drain(timeout=30)
+        done.set()
+
+    stack.nursery.start_soon(drain)
+    await trio.sleep(5)
+    assert not done.is_set()  # the rendering request holds it
+    rendered.set()
+    reply = await client.read_body(await client.read_head())
+    assert reply.status == 503 and "shutting down" in reply.json()["error"]["message"]
+    with trio.fail_after(1):
+        await done.wait()
+    assert serving.admission.in_flight == 0 and not serving.active

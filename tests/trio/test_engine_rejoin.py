@@ -5,7 +5,9 @@ one. One Trio run on a MockClock, API server and engine cores over inproc ZMQ.""
 from __future__ import annotations
 
 import itertools
+import os
 
+import pytest
 import trio
 import zmq
 from trio.testing import MockClock
@@ -91,3 +93,42 @@ async def test_a_replacement_engine_joins_and_serving_resumes(
         assert ok.events[-1].data == "[DONE]"
         nursery.cancel_scope.cancel()
     assert len(errors) == 1
+
+
+async def test_an_engine_replaced_before_reporting_its_end_fails_its_requests(
+    tokenizer: Tokenizer, autojump_clock: MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An external engine killed and started again joins with a new pid and knows none of the old
+    one's requests: they end with an error instead of waiting forever."""
+    n = next(_ids)
+    addresses = EngineAddresses(f"inproc://xhs-{n}", f"inproc://xin-{n}", f"inproc://xout-{n}")
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    api = ApiServer(BASE_CONFIG, tokenizer, ctx, addresses)
+    errors: list[BaseException] = []
+    async with trio.open_nursery() as nursery:
+        slow = ReferenceExecutor(num_blocks=256, block_size=4, vocab_size=32000, step_time=STEP)
+        first = EngineCore(core_config(addresses.handshake), slow, ctx)
+        old_engine = trio.CancelScope()
+
+        async def run_first() -> None:
+            with old_engine:
+                await run_core(first, errors)
+
+        nursery.start_soon(run_first)
+        await nursery.start(api.run, None)
+        client = await client_of(api, nursery)
+        await client.send_request(CHAT, chat_body(400))
+        reply = await client.read_body(await client.read_head(), max_events=3)
+        old_engine.cancel()  # it vanishes without a word (as a SIGKILLed process would)
+        monkeypatch.setattr(os, "getpid", lambda: 424242)  # the replacement is another process
+        fast = ReferenceExecutor(num_blocks=256, block_size=4, vocab_size=32000, step_time=STEP)
+        nursery.start_soon(run_core, EngineCore(core_config(addresses.handshake), fast, ctx), errors)
+        with trio.fail_after(30):
+            await client.read_body(reply)
+        (error,) = [c["error"] for c in reply.chunks if "error" in c]
+        assert "was replaced by pid 424242" in error["message"]
+        assert reply.events[-1].data == "[DONE]"
+        with trio.fail_after(30):
+            ok = await (await client_of(api, nursery)).request(CHAT, chat_body(5))
+        assert ok.status == 200 and ok.events[-1].data == "[DONE]"
+        nursery.cancel_scope.cancel()

@@ -12,7 +12,7 @@ import trio
 from trio.testing import MockClock
 
 from tests.trio.conftest import STEP_US, Stack
-from trioserve.frontend.http_server import KEEP_ALIVE_TIMEOUT
+from trioserve.frontend.http_server import HEAD_TIMEOUT
 from trioserve.mock.core import MockCore
 
 STEP = STEP_US / 1e6
@@ -175,6 +175,6 @@ async def test_idle_connections_are_closed_after_the_keep_alive_timeout(
     idle = await stack.client()
     served = await stack.client()
     assert (await served.request(CHAT, chat_body(2))).status == 200
-    await trio.sleep(KEEP_ALIVE_TIMEOUT + 1)
+    await trio.sleep(HEAD_TIMEOUT + 1)
     assert await idle.sock.recv(1) == b""  # the server closed it: no request ever came
     assert await served.sock.recv(1) == b""  # idle after its request: closed as well

@@ -114,8 +114,11 @@ async def ws_client(stack: Stack, rcvbuf: int | None = None, *, via_accept_loop:
         await client.sock.send(client.ws.send(Request(host="test", target="/v1/ws")))
     else:
         server_end.setblocking(False)
-        upgrade = websocket_upgrade(stack.api.serving)
-        stack.nursery.start_soon(upgrade, server_end, client.ws.send(Request(host="test", target="/v1/ws")))
+        session = websocket_upgrade(stack.api.serving)(
+            server_end, client.ws.send(Request(host="test", target="/v1/ws"))
+        )
+        assert session is not None
+        stack.nursery.start_soon(session)
     event = await client.next_event()
     assert isinstance(event, AcceptConnection), event
     return client

@@ -30,7 +30,9 @@ async def _main(config: EngineCoreConfig, worker: WorkerExecutorConfig | None, s
             return
         async with open_worker_executor(worker) as workers:
             scheduler = dataclasses.replace(config.scheduler, num_blocks=workers.ready.num_blocks)
-            core_config = dataclasses.replace(config, scheduler=scheduler, kind="model")
+            core_config = dataclasses.replace(
+                config, scheduler=scheduler, kind="model", step_timeout=worker.step_timeout
+            )
             await EngineCore(core_config, workers, ctx).run()
 
     await run_engine_process(engine)

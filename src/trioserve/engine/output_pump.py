@@ -6,15 +6,24 @@
 - ``block``: the busy loop sends itself and waits while a socket is at its high-water mark, so a slow
   API server slows the engine.
 
-Besides step outputs the busy loop sends stats-only messages (``send_stats``): the idle report and the
-heartbeat, on the rules of ``Heartbeat``. Every message that leaves carries the pump's fold count in
-its stats (``EngineStats.folded_steps``), so API servers can export it.
+Besides step outputs the engine sends stats-only messages, on the rules of ``Heartbeat``: the busy loop
+between steps (``send_stats``: the idle report and the heartbeat), and the engine core's beat task
+while a step runs (``beat``: the heartbeat, and the news that the step is overdue). Every message that
+leaves carries the pump's fold count in its stats (``EngineStats.folded_steps``), so API servers can
+export it.
+
+Rule for ``beat`` (one owner task per socket, design §5): it never awaits. Under ``fold`` it only holds
+(or folds into) the client's message and wakes the sender task, which stays the sockets' only user.
+Under ``block`` the busy loop owns the sockets, and ``beat`` is called only while the busy loop awaits
+the executor, so nobody waits on a socket meanwhile; it then makes one non-blocking try-send, never a
+wait on the FD (the edge a waiter needs cannot be taken from it), and a full socket just skips that
+heartbeat (an API server that has not read what is queued does not miss one).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Literal
 
 import trio
@@ -42,8 +51,14 @@ class Heartbeat:
       Idle, that is one per interval per client; busy, only a client with nothing running hears it
       (its requests may all be waiting).
 
-    Only the busy loop sends them, between steps: a message proves that the loop still steps. A
-    hung forward or a stopped process goes silent, and the API server's ``EngineHealth`` sees it.
+    They are owed during a step too (the engine core's beat task sends them, ``OutputPump.beat``):
+    a message proves that the engine core process runs, even while one forward takes seconds. A
+    stopped process goes silent, and the API server's ``EngineHealth`` sees it; a forward that hangs
+    is told by the step's own stats (``EngineStats.step_overdue``, ``engine/step_watch.py``).
+
+    A stats-only message the caller sends because it is owed is recorded with ``beat``, not ``sent``:
+    it does not count as fresh for the idle report (its stats may be older than the step that
+    follows, e.g. a heartbeat in the middle of the step in which the last request finishes).
     """
 
     __slots__ = ("_fresh", "_had_work", "_last_sent", "interval")
@@ -55,8 +70,14 @@ class Heartbeat:
         self._had_work = False
 
     def sent(self, client: int, now: float) -> None:
+        """A step's outputs went to ``client``."""
         self._last_sent[client] = now
         self._fresh.add(client)
+
+    def beat(self, client: int, now: float) -> None:
+        """A stats-only message went to ``client`` (or was skipped at a full socket): the next one is
+        due an interval later."""
+        self._last_sent[client] = now
 
     def owed(self, now: float, has_work: bool) -> list[int]:
         """The clients owed a stats-only message now (the caller sends them, calling ``sent``)."""
@@ -95,13 +116,23 @@ class OutputPump:
         self._drained: trio.Event | None = None
         self.heartbeat = Heartbeat(len(sockets), heartbeat_interval)
 
+    @property
+    def num_clients(self) -> int:
+        return len(self._sockets)
+
     async def send(self, client: int, step: EngineOutputs) -> None:
         """Called by the busy loop once per step per client."""
         self.heartbeat.sent(client, trio.current_time())
+        await self._deliver(client, step)
+
+    async def _deliver(self, client: int, step: EngineOutputs) -> None:
         if self.policy == "block":
             step.stats.folded_steps = self.folded_steps
             await self._sockets[client].send_multipart([self._codec.encode(step)])
             return
+        self._hold(client, step)
+
+    def _hold(self, client: int, step: EngineOutputs) -> None:
         held = self._held.get(client)
         if held is not None:
             fold_outputs(held, step)
@@ -111,11 +142,33 @@ class OutputPump:
             self._held[client] = step
             self._wake.set()
 
-    async def send_stats(self, has_work: bool, message: Callable[[], EngineOutputs]) -> None:
-        """Send the stats-only messages ``Heartbeat`` says are owed now; ``message`` builds one (a
-        fresh struct per client: a held message is folded into in place)."""
-        for client in self.heartbeat.owed(trio.current_time(), has_work):
-            await self.send(client, message())
+    async def send_stats(
+        self, has_work: bool, message: Callable[[], EngineOutputs], also: Iterable[int] = ()
+    ) -> None:
+        """Send the stats-only messages ``Heartbeat`` says are owed now, and one to each client in
+        ``also`` (news); ``message`` builds one (a fresh struct per client: a held message is folded
+        into in place)."""
+        now = trio.current_time()
+        owed = self.heartbeat.owed(now, has_work)
+        for client in sorted({*owed, *also}) if also else owed:
+            self.heartbeat.beat(client, now)
+            await self._deliver(client, message())
+
+    def beat(self, message: Callable[[], EngineOutputs], *, everyone: bool = False) -> None:
+        """While a step runs: send the heartbeats owed now (to every client with ``everyone``: news
+        that must not wait for the next one). Never awaits; see the module docstring for why this
+        keeps every socket with one owner."""
+        now = trio.current_time()
+        heartbeat = self.heartbeat
+        clients = range(len(self._sockets)) if everyone else heartbeat.owed(now, has_work=True)
+        for client in clients:
+            heartbeat.beat(client, now)
+            msg = message()
+            if self.policy == "fold":
+                self._hold(client, msg)
+                continue
+            msg.stats.folded_steps = self.folded_steps
+            self._sockets[client].try_send_multipart([self._codec.encode(msg)])  # full: skipped
 
     async def send_dead(self, dead: EngineDead, timeout: float = 2.0) -> None:
         """The last message to every API server: what is held goes first, then ``dead``. Gives up

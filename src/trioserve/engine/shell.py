@@ -37,9 +37,11 @@ async def run_engine(
     output_policy: OutputPolicy,
     on_input: Callable[[EngineInput], None],
     busy_loop: Callable[[OutputPump], Awaitable[None]],
+    beside: Callable[[OutputPump], Awaitable[None]] | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Join, start the pumps, then run ``busy_loop`` until it returns (a shutdown request)."""
+    """Join, start the pumps (and ``beside``, a task that runs as long as the busy loop), then run
+    ``busy_loop`` until it returns (a shutdown request)."""
     sockets = await join_frontends(ctx, handshake_address, ready, output_hwm=output_hwm)
     try:
         async with trio.open_nursery() as nursery:
@@ -48,6 +50,8 @@ async def run_engine(
             pump = OutputPump(sockets.outputs, output_policy)
             if output_policy == "fold":
                 nursery.start_soon(pump.run)
+            if beside is not None:
+                nursery.start_soon(beside, pump)
             task_status.started()
             await busy_loop(pump)
             nursery.cancel_scope.cancel()

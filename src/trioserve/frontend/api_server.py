@@ -200,7 +200,7 @@ class ApiServer:
                 int(admission.output_delay.shut),
             ),
             "trioserve:engine_stalled": (
-                "1 while an engine is stalled: nothing from it (steps, heartbeats) for its stall bound.",
+                "1 while an engine is stalled: silent for its stall bound, or its running step overdue.",
                 int(self.engine.stall() is not None),
             ),
             "trioserve:engine_silence_seconds": (
@@ -243,7 +243,7 @@ class ApiServer:
                 self.engine.bad_frames,
             ),
             "trioserve:engine_stall_episodes_total": (
-                "Times an engine went silent for longer than its stall bound.",
+                "Times an engine stalled (silent for its stall bound, or its running step overdue).",
                 sum(h.stall_count for h in self.engine.health.values()),
             ),
             "trioserve:engine_adds_dropped_total": (

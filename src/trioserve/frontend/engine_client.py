@@ -170,7 +170,7 @@ class EngineClient:
                 nursery.start_soon(self._watch_health)
                 first = True
                 while True:
-                    joined = await self._await_ready(router)
+                    joined = await self._await_ready(router, dead)
                     if first:
                         task_status.started()
                         first = False
@@ -224,9 +224,11 @@ class EngineClient:
             self._hello.set()
             await hs.send_multipart([peer, welcome])
 
-    async def _await_ready(self, router: TrioZmqSocket) -> list[EngineReady]:
+    async def _await_ready(self, router: TrioZmqSocket, dead: Callable[[str], None]) -> list[EngineReady]:
         """Owns the request ROUTER (the sender is stopped) until every engine is known and every
-        joining one has said Ready; returns the Readys it read."""
+        joining one has said Ready; returns the Readys it read. An engine that replaces one whose
+        end nobody reported (an external engine killed and started again) ends the old one's
+        requests first: the new engine knows none of them, so they would wait forever."""
         codec = handshake_codec()
         joined: list[EngineReady] = []
         while len(self.engines) < self.num_engines or self._joining:
@@ -239,6 +241,10 @@ class EngineClient:
             if not isinstance(ready, EngineReady):
                 continue
             index = ready.engine_index
+            replaced = self.engines.get(index)
+            if replaced is not None and replaced.pid != ready.pid and self.dead_report is None:
+                gone = f"engine {index} (pid {replaced.pid})"
+                dead(f"{gone} was replaced by pid {ready.pid} before reporting its end")
             self.engines[index] = ready
             if self._joining.get(index) == ready.pid:  # else an engine superseded by a later Hello
                 del self._joining[index]
@@ -289,7 +295,7 @@ class EngineClient:
                         continue
                     now = trio.current_time()
                     health.observe(now, msg.stats)
-                    if health.stalled_since is not None:
+                    if health.stalled_since is not None or health.overdue:  # a stall ends or begins
                         _log_transition(health, now)
                     health.pause()  # a full queue under "block": the wait is ours, not the engine's
                     await outputs.put(msg)
@@ -312,13 +318,11 @@ class EngineClient:
 
 def _log_transition(health: EngineHealth, now: float) -> None:
     match health.update(now):
-        case ("stalled", silence):
+        case ("stalled", stall):
             log.error(
-                "engine %d stalled: nothing from it for %.1f s (bound %.1f s); /health answers 503 and "
-                "new requests are refused until it resumes",
+                "engine %d stalled: %s; /health answers 503 and new requests are refused until it resumes",
                 health.engine_index,
-                silence,
-                health.bound(),
+                stall.reason,
             )
         case ("resumed", duration):
-            log.warning("engine %d resumed after %.1f s of silence", health.engine_index, duration)
+            log.warning("engine %d resumed after %.1f s stalled", health.engine_index, duration)

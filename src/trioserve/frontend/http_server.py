@@ -28,6 +28,7 @@ import errno
 import logging
 import socket
 from collections.abc import Awaitable, Callable
+from functools import partial
 
 import h11
 import trio
@@ -48,15 +49,14 @@ MAX_HEAD = 64 * 1024  # bytes of request line and header fields (431 above it)
 MAX_TARGET = 8 * 1024  # bytes of request target, path and query (414 above it)
 _ACCEPT_BATCH = 64
 HEAD_TIMEOUT = 5.0  # seconds for a complete request head (idle keep-alive included)
-KEEP_ALIVE_TIMEOUT = HEAD_TIMEOUT
 BODY_TIMEOUT = 30.0  # seconds to read a request body
 LINGER = 2.0  # seconds to keep reading (and discarding) after an error reply, before closing
 # accept() errors that mean "out of a resource for now", never "stop serving".
 _RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
-# Serves an upgraded ``/v1/ws`` connection from the bytes read of its cycle; False (nothing written,
-# the socket untouched) when those bytes are not a valid WebSocket upgrade.
-Upgrade = Callable[[socket.socket, bytes], Awaitable[bool]]
+# For the bytes of a ``GET /v1/ws`` request cycle: the WebSocket session to run on the socket (it owns
+# and closes the socket from then on), or None (nothing written) when they are not a valid upgrade.
+Upgrade = Callable[[socket.socket, bytes], Callable[[], Awaitable[None]] | None]
 
 
 class _Closed(Exception):
@@ -78,7 +78,7 @@ class HttpConnection:
         self._sock = sock
         self._server = server
         self._h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD)
-        self._cycle_bytes = bytearray()  # raw bytes of the current request cycle, for an upgrade
+        self._cycle_bytes = bytearray()  # raw bytes of the current cycle up to its head, for an upgrade
         self._idle_scope: trio.CancelScope | None = None  # set while waiting for a head, no byte of it read
         self.upgraded = False  # a WebSocket connection owns the socket now
         self._linger = False  # an error reply went out before the request was read: close gently
@@ -99,7 +99,8 @@ class HttpConnection:
                 continue
             except OSError:
                 data = b""
-            self._cycle_bytes += data
+            if self._h11.their_state is h11.IDLE:  # the head (and what came with it) of this cycle
+                self._cycle_bytes += data
             self._h11.receive_data(data)
             return data
 
@@ -195,8 +196,10 @@ class HttpConnection:
                     return
                 path = request.target.split(b"?", 1)[0]
                 if path == WS_PATH and request.method == b"GET" and server.upgrade is not None:
-                    if await server.upgrade(self._sock, bytes(self._cycle_bytes)):
-                        self.upgraded = True
+                    session = server.upgrade(self._sock, bytes(self._cycle_bytes))
+                    if session is not None:
+                        self.upgraded = True  # from here on the session owns (and closes) the socket
+                        await session()
                         return
                     self._reply_error(426, "this route needs a WebSocket upgrade (RFC 6455, version 13)")
                     return
@@ -211,7 +214,7 @@ class HttpConnection:
                 if kind is not None and request.method == b"POST":
                     await self._generate(kind, body)
                 elif kind is not None:
-                    await self._method_not_allowed()
+                    await self._method_not_allowed(request.method == b"HEAD")
                 else:
                     await server.asgi.call(
                         request,
@@ -264,7 +267,7 @@ class HttpConnection:
             else:
                 return None
 
-    async def _method_not_allowed(self) -> None:
+    async def _method_not_allowed(self, head_only: bool) -> None:
         body = ApiError(405, "The method is not allowed for the requested URL.").body()
         headers = [
             (b"content-type", b"application/json"),
@@ -273,7 +276,9 @@ class HttpConnection:
         ]
         conn = self._h11
         out = conn.send(h11.Response(status_code=405, headers=headers)) or b""
-        out += (conn.send(h11.Data(data=body)) or b"") + (conn.send(h11.EndOfMessage()) or b"")
+        if not head_only:  # a response to HEAD has no body (h11 refuses one)
+            out += conn.send(h11.Data(data=body)) or b""
+        out += conn.send(h11.EndOfMessage()) or b""
         await self._send_all(out)
 
     def _too_large(self, max_body: int) -> None:
@@ -413,7 +418,10 @@ class HttpServer:
                             self.refused_connections += 1
                             sock.close()
                             continue
-                        nursery.start_soon(self.handle_connection, sock)
+                        # Counted here, not when its task starts: a batch of accepts has no
+                        # checkpoint, and the limit must hold within one.
+                        self.connections += 1
+                        nursery.start_soon(partial(self.handle_connection, sock, counted=True))
 
     async def _out_of_resources(self, exc: OSError) -> None:
         """Out of descriptors (or memory) to accept with: close idle connections to make room, and
@@ -431,12 +439,14 @@ class HttpServer:
             )
         await trio.sleep(delay)
 
-    async def handle_connection(self, sock: socket.socket) -> None:
+    async def handle_connection(self, sock: socket.socket, *, counted: bool = False) -> None:
+        """Serve one connection until it closes; ``counted``: the accept loop counted it already."""
         sock.setblocking(False)
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conn = HttpConnection(sock, self)
-        self.connections += 1
+        if not counted:
+            self.connections += 1
         self._open.add(conn)
         try:
             await conn.run()

@@ -202,8 +202,11 @@ class OutputHandler:
                 choice.queued_at = 0.0
 
     def fail_all(self, status: int, message: str) -> None:
-        """The engine is gone: every running request ends with an error the client sees."""
+        """Every running request ends with an error the client sees (the engine is gone, or drain's
+        deadline came). Each response's end aborts its engine requests as any end does
+        (``Serving._on_done``): a request whose add is still queued is then never sent, so none is
+        left to run for nobody on an engine that comes back."""
         responses = {id(c.response): c.response for c in self.choices.values()}
-        self.choices.clear()
         for response in responses.values():
             response.fail(status, message)
+        self.choices.clear()

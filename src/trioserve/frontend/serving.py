@@ -1,4 +1,4 @@
-"""The generation service shared by every transport (fast HTTP path, ASGI path, WebSocket).
+"""The generation service shared by every transport (HTTP SSE and full responses, WebSocket).
 
 ``start`` does the per-request work, in order: stamp arrival (before rendering, so TTFT includes the
 renderer queue), decode and validate the body, render and tokenize on the renderer pool, build the
@@ -165,8 +165,11 @@ class Serving:
         try:
             with admission.rendering_slot():
                 response = await self._prepare(kind, body, sink, arrival)
+            if self.draining:  # drain began while it rendered: it would outlive drain's deadline
+                raise ApiError(503, "the server is shutting down", retry_after=1)
         except BaseException:
             ticket.release()  # ... and released on every path that does not produce a response
+            self._finished.set()
             raise
         response.ticket = ticket  # from here on, the response releases it when it leaves ``active``
         self.handler.metrics.prompt_tokens += len(response.prompt_token_ids)
@@ -183,14 +186,10 @@ class Serving:
         req: ChatCompletionRequest | CompletionRequest
         if kind == "chat":
             req = decode_body(body, ChatCompletionRequest)
-            if req.tools:
-                raise ApiError(400, "tool calling is not supported by this server", param="tools")
             options = output_options(req, self.config)
             prompt_ids: list[int] = await self.render(self._chat_prompt, req)
         else:
             req = decode_body(body, CompletionRequest)
-            if req.echo:
-                raise ApiError(400, "echo is not supported by this server", param="echo")
             options = output_options(req, self.config)
             prompt_ids = await self.render(self._completion_prompt, req)
         params = sampling_params(req, self.config, len(prompt_ids))
@@ -268,13 +267,15 @@ class Serving:
         self._finished.set()
 
     async def drained(self) -> None:
-        """Returns once no response is in flight (graceful shutdown waits on this)."""
-        while self.active:
+        """Returns once no request is in flight, rendering ones included (graceful shutdown waits
+        on this)."""
+        while self.active or self.admission.in_flight:
             await self._finished.wait()
 
     def shut_down(self) -> None:
         """Drain's deadline: every response still running ends now with an error the client sees
-        (an error event and a proper end of the stream), and its engine requests are aborted."""
+        (an error event and a proper end of the stream), and its engine requests are aborted.
+        Requests still rendering are refused with 503 when their rendering ends."""
         self.draining = True
         self.handler.fail_all(503, "the server is shutting down")
 

@@ -101,7 +101,7 @@ UNSUPPORTED_FIELDS: dict[str, Unsupported] = {
     ),
     "echo": Unsupported("false", _false, "false leaves the prompt out of the completion, as the server does"),
     "logprobs": Unsupported(
-        "null or false",
+        "null, or false in chat",
         _false,
         "chat: false asks for none; completions: an integer, and even 0 asks for the sampled tokens' own "
         "logprobs, so only null",

@@ -18,6 +18,7 @@ import contextlib
 import hashlib
 import logging
 import socket
+from collections.abc import Awaitable, Callable
 
 import h11
 import msgspec
@@ -30,15 +31,16 @@ from trioserve.frontend.chunks import Kind
 from trioserve.frontend.errors import ApiError, error_body
 from trioserve.frontend.http_server import Upgrade
 from trioserve.frontend.http_sink import send_or_buffer
-from trioserve.frontend.queue_sinks import WsSink, WsWriter
 from trioserve.frontend.responses import Response
 from trioserve.frontend.serving import Serving
+from trioserve.frontend.ws_sinks import WsSink, WsWriter
 from trioserve.sync import Waker
 
 WS_PATH = b"/v1/ws"
 _GET_WS = b"GET " + WS_PATH
 _GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"  # RFC 6455 section 1.3
 _RECV = 65536
+CLOSE_FLUSH = 1.0  # seconds a stopping server spends getting its close frame (and what precedes it) out
 READ_PAUSE_BYTES = 256 * 1024  # output waiting for the client beyond which its messages wait too
 _MAX_HEAD = 64 * 1024
 # Close frame, code 1001 with its reason (RFC 6455 5.5.1: code, then UTF-8 text; 125 bytes at most).
@@ -251,12 +253,26 @@ class WsConnection(WsWriter):
                 peer_done = True
                 nursery.cancel_scope.cancel()
         finally:
-            if not (peer_done or self.closed or self._buf):
-                with contextlib.suppress(OSError):
-                    self._sock.send(_GOING_AWAY)
+            if not (peer_done or self.closed):
+                # The server is stopping: the close frame goes out behind what is still buffered
+                # (the error chunks drain just wrote, say), for at most CLOSE_FLUSH seconds.
+                with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_FLUSH):
+                    await self._flush(bytes(self._buf) + _GOING_AWAY)
             self.closed = True
             if self._session is not None:
                 self._session.close()
+
+    async def _flush(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            try:
+                sent = self._sock.send(view)
+            except BlockingIOError:
+                await trio.lowlevel.wait_writable(self._sock)
+                continue
+            except OSError:
+                return
+            view = view[sent:]
 
     async def _read(self, ws: Connection, session: WsSession) -> None:
         """Client messages, until a close frame, EOF or a protocol error. A message over the size
@@ -342,18 +358,22 @@ class WsConnection(WsWriter):
 
 
 def websocket_upgrade(serving: Serving) -> Upgrade:
-    """The accept loop's ``/v1/ws`` handler: a valid upgrade becomes a ``WsConnection`` on the same
-    socket (True); anything else is left to the accept loop to answer (False, nothing written)."""
+    """The accept loop's ``/v1/ws`` handler: for a valid upgrade, the ``WsConnection`` session to run
+    on the same socket (it closes the socket when it ends); None for anything else (nothing written,
+    the accept loop answers it)."""
 
-    async def upgrade(sock: socket.socket, prefix: bytes) -> bool:
+    def upgrade(sock: socket.socket, prefix: bytes) -> Callable[[], Awaitable[None]] | None:
         response = upgrade_response(prefix)
         if response is None:
-            return False
-        try:
-            await WsConnection(sock, serving).run(*response)
-        finally:
-            trio.lowlevel.notify_closing(sock)
-            sock.close()
-        return True
+            return None
+
+        async def session() -> None:
+            try:
+                await WsConnection(sock, serving).run(*response)
+            finally:
+                trio.lowlevel.notify_closing(sock)
+                sock.close()
+
+        return session
 
     return upgrade

@@ -146,6 +146,13 @@ class EngineStats(_Wire):
     prefix_cache_queries: int = 0  # cumulative tokens looked up
     prefix_cache_hits: int = 0  # cumulative tokens found
     folded_steps: int = 0  # cumulative steps the engine's output pump folded (its socket was full)
+    # The step running as this message left (all 0 between steps; see ``engine/step_watch.py``): its
+    # scheduled tokens, how long it has run, how long it may run, and whether it is overdue (the
+    # engine core's own judgement, which the API server reports as a stall).
+    step_tokens: int = 0
+    step_elapsed: float = 0.0  # seconds
+    step_bound: float = 0.0  # seconds
+    step_overdue: bool = False
 
 
 class EngineOutputs(_Wire, tag="out"):
