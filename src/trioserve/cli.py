@@ -224,7 +224,8 @@ def _add_engine_core_flags(p: argparse.ArgumentParser) -> None:
         "--worker-step-timeout",
         type=_positive_float,
         default=300.0,
-        help="model: seconds before a hung step fails",
+        help="seconds before a hung step fails its engine (model), and before an engine core that "
+        "sends nothing (stopped or hung) is killed and restarted (any engine)",
     )
 
 

@@ -20,7 +20,16 @@ from pathlib import Path
 
 import trio
 
-from ._support import RawHttp, assert_openai_error, chat_body, http_request, post, request_json
+from ._support import (
+    RawHttp,
+    assert_openai_error,
+    chat_body,
+    http_request,
+    post,
+    proc_children,
+    proc_start_time,
+    request_json,
+)
 from .conftest import ServerProcess
 
 CHAT = "/v1/chat/completions"
@@ -129,4 +138,36 @@ async def test_sigstopped_engine_core_is_reported_and_refused_then_recovers(tmp_
         if engine_pid and server.engine_alive():
             os.kill(engine_pid, signal.SIGCONT)  # a stopped process cannot act on SIGTERM
         server.stop()  # SIGTERM to the API server by PID (SIGKILL if needed), engine child checked
+    assert not server.problems, server.problems
+
+
+async def test_an_engine_core_stopped_past_the_hard_bound_is_killed_and_replaced(tmp_path: Path) -> None:
+    """``--worker-step-timeout`` is the hard bound for a silent engine core too: the API server kills
+    it, its streams end with an error event, and a new engine core serves."""
+    flags = ["--step-interval-us", "10000", "--worker-step-timeout", "6"]
+    server = ServerProcess("stall_kill_server", flags, tmp_path / "stall_kill_server.log")
+    server.start()
+    try:
+        server.wait_ready()
+        stopped = server.engine_pid
+        conn, start = await open_stream(server)
+        os.kill(stopped, signal.SIGSTOP)
+        with trio.fail_after(GUARD):
+            body = start
+            while chunk := await conn.read_chunk():
+                body += chunk
+        await conn.aclose()
+        assert b'"code":503' in body and body.endswith(b"data: [DONE]\n\n"), body[-300:]
+        await wait_health(server, 200)  # the replacement joined
+        with trio.fail_after(GUARD):
+            status, reply = await request_json(server.host, server.port, "POST", CHAT, chat_body(4))
+        assert status == 200, reply
+        log = server.log_path.read_text()
+        assert "has sent nothing for" in log and "killing it" in log, log[-2000:]
+        children = [p for p in proc_children(server.pid) if p != stopped]
+        assert len(children) == 1
+        server.engine_pid = children[0]  # the pool's checks follow the live engine
+        server.engine_start_time = proc_start_time(children[0]) or ""
+    finally:
+        server.stop()
     assert not server.problems, server.problems

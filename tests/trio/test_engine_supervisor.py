@@ -9,6 +9,7 @@ import pytest
 import trio
 from trio.testing import MockClock
 
+from trioserve.frontend.engine_health import Stall
 from trioserve.launch.engine_supervisor import (
     DEAD_GRACE,
     STOP_GRACE,
@@ -53,7 +54,14 @@ class FakeLink:
     def __init__(self) -> None:
         self.joins = 0
         self.dead_report: str | None = None
+        self.silence = 0.0  # seconds since the engine last said anything
+        self.overdue = False  # the engine reports its running step overdue
         self._changed = Waker()
+
+    def stall(self, now: float | None = None) -> Stall | None:
+        if self.silence <= 3.0 and not self.overdue:
+            return None
+        return Stall(0, self.silence, 3.0, step_tokens=8 if self.overdue else 0)
 
     async def link_changed(self) -> None:
         await self._changed.wait()
@@ -229,3 +237,33 @@ async def test_cancelled_it_waits_for_a_joined_engine_then_escalates(autojump_cl
         nursery.cancel_scope.cancel()
     assert proc.signals == ["TERM", "KILL"]
     assert trio.current_time() - start == pytest.approx(2 * STOP_GRACE)
+
+
+async def test_an_engine_silent_past_the_timeout_is_killed_and_replaced(autojump_clock: MockClock) -> None:
+    harness = Harness(silence_timeout=30.0)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(harness.supervisor.run)
+        first = await harness.next_process(1)
+        harness.link.join()
+        harness.link.silence = 20.0  # stalled (e.g. SIGSTOP), not yet past the limit
+        await trio.sleep(5)
+        assert first.returncode is None
+        harness.link.silence = 31.0
+        await trio.sleep(2)
+        assert first.returncode == -9  # killed ...
+        await harness.next_process(2)  # ... and, being dead, restarted
+        assert harness.deaths and "killed by signal 9" in harness.deaths[0][0]
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_overdue_step_is_not_the_supervisors_to_end(autojump_clock: MockClock) -> None:
+    harness = Harness(silence_timeout=30.0)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(harness.supervisor.run)
+        first = await harness.next_process(1)
+        harness.link.join()
+        harness.link.silence = 100.0
+        harness.link.overdue = True  # the engine core talks; its worker's step is late
+        await trio.sleep(10)
+        assert first.returncode is None
+        nursery.cancel_scope.cancel()

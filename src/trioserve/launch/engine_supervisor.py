@@ -13,6 +13,11 @@ engine client's ``on_dead``), and until a replacement joins new requests and ``/
 - ``never``: report the failure (``failed``) and start nothing; the API server drains and exits with
   code 1, for deployments whose own supervisor restarts processes.
 
+An engine whose process is stopped or hung sends nothing (its heartbeats come every second, during
+steps too); after ``silence_timeout`` seconds of that (``--worker-step-timeout``, the same hard bound
+the engine core puts on a worker's step) it is killed, and so it is dead as above. ``/health`` has
+answered 503 since the stall bound (seconds, not minutes) passed.
+
 The first engine is different: one that exits before it ever joined is a start-up error (a bad model
 path, say) and ends the API server whatever the policy (``EngineStartupError``).
 
@@ -30,11 +35,14 @@ from typing import Literal, Protocol
 
 import trio
 
+from trioserve.frontend.engine_health import Stall
+
 log = logging.getLogger("trioserve")
 
 RestartPolicy = Literal["always", "never"]
 
 DEAD_GRACE = 5.0  # seconds an engine that reported itself dead has to exit before it is terminated
+SILENCE_CHECK = 1.0  # seconds between checks of an engine's silence against ``silence_timeout``
 STOP_GRACE = 3.0  # seconds between asking an engine to stop (ShutdownEngine, SIGTERM) and the next step
 
 
@@ -107,6 +115,9 @@ class EngineLink(Protocol):
     async def link_changed(self) -> None:
         """Returns after ``joins`` or ``dead_report`` changed (perhaps before this call)."""
 
+    def stall(self, now: float | None = None) -> Stall | None:
+        """The engine's stall, if it is stalled (``frontend.engine_health``)."""
+
 
 def exit_text(code: int | None) -> str:
     if code is None:
@@ -126,6 +137,7 @@ class EngineSupervisor:
         backoff: RestartBackoff | None = None,
         on_restart: Callable[[], None] = lambda: None,
         dead_grace: float = DEAD_GRACE,
+        silence_timeout: float | None = None,
     ) -> None:
         self._spawn = spawn
         self.link = link
@@ -135,6 +147,9 @@ class EngineSupervisor:
         self.ready_timeout = ready_timeout
         self.backoff = backoff or RestartBackoff()
         self.dead_grace = dead_grace
+        # An engine silent this long (its process stopped or hung: no step output, no heartbeat) is
+        # killed, which the restart policy then handles like any death. None: never.
+        self.silence_timeout = silence_timeout
         self.restarts = 0
         self.failed = trio.Event()  # set when an engine died under ``never``
         self.failure: str | None = None
@@ -197,6 +212,8 @@ class EngineSupervisor:
                 nursery.cancel_scope.cancel()
 
             nursery.start_soon(exited)
+            if self.silence_timeout is not None:
+                nursery.start_soon(self._kill_when_silent, proc, self.silence_timeout)
             deadline = math.inf if ready_timeout is None else trio.current_time() + ready_timeout
             while link.joins == joins:
                 with trio.move_on_at(deadline):
@@ -222,6 +239,24 @@ class EngineSupervisor:
                 self.dead_grace,
             )
             await stop_process(proc, 0.0)
+
+    async def _kill_when_silent(self, proc: EngineProcess, timeout: float) -> None:
+        """Rule: an engine from which nothing has arrived for ``timeout`` seconds is killed. Its
+        heartbeats come every second, during steps too, so silence means the engine-core process
+        itself is stopped or hung, and nothing else ends its requests (a worker's overdue step is
+        the engine core's to end: ``--worker-step-timeout``). ``/health`` said 503 long before."""
+        while True:
+            await trio.sleep(SILENCE_CHECK)
+            stall = self.link.stall()
+            if stall is not None and not stall.overdue and stall.silence > timeout:
+                log.error(
+                    "the engine process (pid %d) has sent nothing for %.0f s (limit %g s); killing it",
+                    proc.pid,
+                    stall.silence,
+                    timeout,
+                )
+                proc.kill()
+                return
 
 
 async def stop_process(proc: EngineProcess, grace: float) -> None:

@@ -129,6 +129,7 @@ async def serve(config: ServeConfig, listener: socket.socket, ipc_dir: str) -> N
             restart=config.engine_restart,
             ready_timeout=config.engine_ready_timeout,
             on_restart=restarted,
+            silence_timeout=config.worker_step_timeout,
         )
     try:
         async with trio.open_nursery() as nursery:
