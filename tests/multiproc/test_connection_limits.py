@@ -87,28 +87,33 @@ async def test_max_connections_closes_the_excess_at_once(tmp_path: Path) -> None
     server = Server(tmp_path / "maxconn.log", "--max-connections", "10")
     try:
         server.wait_ready()
-        # 30 connects in a burst: the server accepts them in one batch, and the limit holds within it.
+        # 30 connects in a burst: the server accepts them in one batch or a few, and the limit holds
+        # within a batch. The 20 over it are closed at accept; the 10 it keeps close once their head
+        # timeout passes (they never send a request). Only then can /metrics be asked.
         socks = []
         for _ in range(30):
             sock = socket.socket()
             sock.setblocking(False)
             sock.connect_ex(("127.0.0.1", server.port))
             socks.append(sock)
-        await trio.sleep(1.0)
-        closed = 0
-        for sock in socks:
-            sock.setblocking(True)
-            sock.settimeout(0.05)
-            try:
-                closed += sock.recv(1) == b""  # closed by the server, nothing sent
-            except TimeoutError:
-                pass  # held open: waiting for a request
-            except ConnectionResetError:
-                closed += 1
-        assert closed == 20
+        open_socks = set(socks)
+        with trio.fail_after(30):
+            while open_socks:
+                await trio.sleep(0.1)
+                for sock in list(open_socks):
+                    try:
+                        data = sock.recv(1)
+                    except BlockingIOError:
+                        continue
+                    except ConnectionResetError:
+                        data = b""
+                    assert data == b"", "the server sent bytes to a connection that sent none"
+                    open_socks.discard(sock)
         for sock in socks:
             sock.close()
-        await trio.sleep(0.2)
-        assert await _metric(server.port, "trioserve:connections_refused_total") == 20
+        # At least the 20 over the limit (a little more when a /health connection of wait_ready was
+        # still closing on the server's side as the burst came); without the limit holding within
+        # an accept batch, none.
+        assert await _metric(server.port, "trioserve:connections_refused_total") >= 20
     finally:
         server.stop()
