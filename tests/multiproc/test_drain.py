@@ -52,11 +52,10 @@ async def _drain_scenario(server: Server) -> None:
         await short_conn.send(request[:20])  # a request that is still arriving when drain begins
         await trio.sleep(0.1)
         server.proc.send_signal(signal.SIGTERM)
-        await trio.sleep(0.3)
         # At once: no new connections, idle ones closed, new requests on open ones refused.
+        assert await idle_conn.at_eof()  # returns once the server has closed it: drain began
         with pytest.raises(OSError):
             await trio.open_tcp_stream("127.0.0.1", port)
-        assert await idle_conn.at_eof()
         await short_conn.send(request[20:])
         refused = await short_conn.read_response()
         assert refused.status == 503 and refused.header("connection") == "close"
