@@ -13,7 +13,6 @@ other tests create too).
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import signal
 import tempfile
@@ -23,11 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
 import trio
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from trioserve.frontend.tokenizer import load_tokenizer
 from trioserve.launch.ipc_dir import Owner, current_owner
 
 from ._support import (
@@ -42,6 +38,9 @@ from ._support import (
     request_json,
 )
 from .conftest import ServerProcess
+from .test_model_engine import segments_of, start_model_server, tiny_model
+
+__all__ = ["tiny_model"]  # the module fixture, shared with test_model_engine.py
 
 TIMEOUT = 60
 
@@ -81,16 +80,6 @@ class Tree:
         return [self.engine, *([self.worker] if self.worker else [])]
 
 
-def mapped_segments(pid: int) -> frozenset[str]:
-    """The ``trioserve_*`` shared-memory segments ``pid`` maps, by name ("(deleted)" once unlinked)."""
-    names = set()
-    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
-        match = re.search(r"/dev/shm/(trioserve_[0-9a-f]+)", line)
-        if match:
-            names.add(match.group(1))
-    return frozenset(names)
-
-
 def in_dev_shm(names: frozenset[str]) -> set[str]:
     return {name for name in names if (Path("/dev/shm") / name).exists()}
 
@@ -101,7 +90,7 @@ def tree_of(server: ServerProcess) -> Tree:
     workers = [pid for pid in proc_children(engines[0]) if proc_title(pid) == "trioserve::Worker"]
     assert len(workers) <= 1, workers
     worker = Proc.of(workers[0]) if workers else None
-    return Tree(Proc.of(engines[0]), worker, mapped_segments(workers[0]) if workers else frozenset())
+    return Tree(Proc.of(engines[0]), worker, frozenset(segments_of(workers[0])) if workers else frozenset())
 
 
 async def eventually(check: Callable[[], bool], timeout: float = TIMEOUT) -> bool:
@@ -162,37 +151,6 @@ async def completes(server: ServerProcess) -> None:
     assert body["usage"]["completion_tokens"] == 4
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("tiny-llama-faults")
-    tokenizer = load_tokenizer(None)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=tokenizer.vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer.hf_tokenizer.save_pretrained(folder)
-    return folder
-
-
-def model_server(model: Path, log_dir: Path, name: str, *flags: str) -> ServerProcess:
-    server = ServerProcess(
-        name,
-        ["--engine", "model", str(model), "--kv-cache-gib", "0.05", "--shutdown-timeout", "1", *flags],
-        log_dir / f"{name}.log",
-    )
-    server.start()
-    return server
-
-
 def stop_and_check(server: ServerProcess, trees: list[Tree]) -> None:
     """Stop ``server``; every process of every tree it had must be gone, and every segment."""
     server.stop()
@@ -218,7 +176,7 @@ class Restarting:
 @pytest.fixture(scope="module")
 def restarting(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Restarting]:
     """A model server whose engine the tests below kill; teardown: nothing of any of its trees left."""
-    server = model_server(tiny_model, tmp_path_factory.mktemp("logs"), "restarting")
+    server = start_model_server(tiny_model, tmp_path_factory.mktemp("logs"), "restarting")
     trees: list[Tree] = []
     try:
         server.wait_ready(TIMEOUT)
@@ -307,7 +265,7 @@ async def test_a_killed_api_server_leaves_nothing_a_new_one_would_not_sweep(
     me = current_owner()
     if me is None:
         pytest.skip("no /proc: IPC folders cannot be checked")
-    server = model_server(tiny_model, tmp_path, "killed_api")
+    server = start_model_server(tiny_model, tmp_path, "killed_api")
     tree: Tree | None = None
     sweeper: ServerProcess | None = None
     root = Path(tempfile.gettempdir())

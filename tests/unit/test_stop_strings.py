@@ -311,3 +311,14 @@ def test_long_self_overlapping_stop_slides() -> None:
     for _ in range(5_000):
         assert matcher.feed("aaaa") == StopResult("aaaa", None)
     assert matcher.feed("ab") == StopResult("a", stop)
+
+
+def test_a_fork_shares_the_automaton_and_starts_fresh() -> None:
+    first = StopStringMatcher(["abc", "bd"])
+    assert first.feed("xab") == StopResult("x", None)  # "ab" held
+    twin = first.fork()
+    assert twin.state_count == first.state_count
+    assert twin.feed("bd") == StopResult("", "bd")  # its own state: nothing held from the first
+    assert first.matched is None
+    assert first.feed("c") == StopResult("", "abc")
+    assert twin.feed("more") == StopResult("", None)  # spent after its own match

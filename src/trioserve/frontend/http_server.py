@@ -36,7 +36,7 @@ import trio
 from trioserve.frontend.asgi_host import AsgiHost
 from trioserve.frontend.chunks import Kind
 from trioserve.frontend.errors import ApiError
-from trioserve.frontend.http_sink import HttpSink
+from trioserve.frontend.http_sink import HttpSink, send_all
 from trioserve.frontend.serving import Serving
 from trioserve.sync import Waker
 
@@ -117,16 +117,8 @@ class HttpConnection:
             return event
 
     async def _send_all(self, data: bytes) -> None:
-        view = memoryview(data)
-        while view:
-            try:
-                sent = self._sock.send(view)
-            except BlockingIOError:
-                await trio.lowlevel.wait_writable(self._sock)
-                continue
-            except OSError:
-                raise _Closed from None
-            view = view[sent:]
+        if not await send_all(self._sock, data):
+            raise _Closed
 
     def internal_error(self) -> None:
         if not self.upgraded and self._h11.our_state in (h11.IDLE, h11.SEND_RESPONSE):

@@ -46,6 +46,22 @@ def send_or_buffer(sock: socket.socket, buf: bytearray, data: bytes) -> bool | N
     return False
 
 
+async def send_all(sock: socket.socket, data: bytes) -> bool:
+    """Write all of ``data`` to a non-blocking socket, waiting while it is full; False when the peer
+    is gone. For the few writes that may wait (responses off the hot path, a closing frame)."""
+    view = memoryview(data)
+    while view:
+        try:
+            sent = sock.send(view)
+        except BlockingIOError:
+            await trio.lowlevel.wait_writable(sock)
+            continue
+        except OSError:
+            return False
+        view = view[sent:]
+    return True
+
+
 class HttpSink(Sink):
     __slots__ = ("_buf", "_chunked", "_conn", "_head_sent", "_sock")
 

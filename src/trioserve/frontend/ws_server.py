@@ -30,7 +30,7 @@ from wsproto.utilities import LocalProtocolError
 from trioserve.frontend.chunks import Kind
 from trioserve.frontend.errors import ApiError, error_body
 from trioserve.frontend.http_server import Upgrade
-from trioserve.frontend.http_sink import send_or_buffer
+from trioserve.frontend.http_sink import send_all, send_or_buffer
 from trioserve.frontend.responses import Response
 from trioserve.frontend.serving import Serving
 from trioserve.frontend.ws_sinks import WsSink, WsWriter
@@ -257,22 +257,10 @@ class WsConnection(WsWriter):
                 # The server is stopping: the close frame goes out behind what is still buffered
                 # (the error chunks drain just wrote, say), for at most CLOSE_FLUSH seconds.
                 with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_FLUSH):
-                    await self._flush(bytes(self._buf) + _GOING_AWAY)
+                    await send_all(self._sock, bytes(self._buf) + _GOING_AWAY)
             self.closed = True
             if self._session is not None:
                 self._session.close()
-
-    async def _flush(self, data: bytes) -> None:
-        view = memoryview(data)
-        while view:
-            try:
-                sent = self._sock.send(view)
-            except BlockingIOError:
-                await trio.lowlevel.wait_writable(self._sock)
-                continue
-            except OSError:
-                return
-            view = view[sent:]
 
     async def _read(self, ws: Connection, session: WsSession) -> None:
         """Client messages, until a close frame, EOF or a protocol error. A message over the size
