@@ -36,7 +36,8 @@ from types import FrameType
 
 import msgspec
 
-from sse_loadgen import HIST_MAX, LoadResult, proc_stat_fields
+from loadgen_report import LoadResult, proc_stat_fields
+from loadgen_wire import HIST_MAX
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent

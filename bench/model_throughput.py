@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.model is None:
         sys.path.insert(0, str(BENCH_DIR.parent / "src"))
-        from trioserve.worker.embedded_model import ensure_default_model
+        from trioserve.models.embedded_model import ensure_default_model
 
         args.model = str(ensure_default_model())
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]

@@ -30,7 +30,7 @@ from types import FrameType
 
 import msgspec
 
-from sse_loadgen import LoadResult
+from loadgen_report import LoadResult
 
 BENCH_DIR = Path(__file__).resolve().parent
 

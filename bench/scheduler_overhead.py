@@ -26,8 +26,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from trioserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from trioserve.engine.scheduler import Scheduler, SchedulerConfig
 from trioserve.protocol.messages import AddRequest, SamplingParams
+from trioserve.protocol.step import SchedulerOutput
 
 
 @dataclass(slots=True)
@@ -66,7 +67,7 @@ def measure(
         t1 = time.thread_time_ns()
         sampled = sample_all(out)
         t2 = time.thread_time_ns()
-        s.update_from_output(out, sampled, now)
+        s.update_from_output(out, sampled)
         t3 = time.thread_time_ns()
         if i >= warmup:
             sched_ns.append(t1 - t0)

@@ -46,7 +46,8 @@ from types import FrameType
 from typing import Any
 
 from frontend_cost import Proc, find_engine, free_port, managed, raise_nofile_limit, spawn, wait_healthy
-from sse_loadgen import proc_stat_fields, served_model
+from loadgen_report import proc_stat_fields
+from sse_loadgen import served_model
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent

@@ -6,15 +6,14 @@ import random
 
 import msgspec
 
-from sse_loadgen import (
+from loadgen_loop import sample_lengths, word_prompts
+from loadgen_report import steady_window
+from loadgen_wire import (
     Counters,
     ResponseParser,
     WsResponseParser,
     backoff_seconds,
     parse_retry_after,
-    sample_lengths,
-    steady_window,
-    word_prompts,
     ws_accept_key,
     ws_frame,
 )

@@ -55,7 +55,7 @@ if [[ ! -f "$MODEL_DIR/tokenizer.json" ]]; then
 	say "building $MODEL_DIR"
 	# The tokenizer comes from the embedded SmolLM2 folder that trioserve converts itself (reading the
 	# GGUF through transformers would need the gguf package, which the project does not install).
-	smollm2="$("$PY" -c 'from trioserve.worker.embedded_model import ensure_default_model; print(ensure_default_model())')"
+	smollm2="$("$PY" -c 'from trioserve.models.embedded_model import ensure_default_model; print(ensure_default_model())')"
 	"$PY" "$repo_root/bench/peers/tiny_model.py" "$MODEL_DIR" --tokenizer-from "$smollm2"
 fi
 vocab="$("$PY" -c 'import json,sys; print(json.load(open(sys.argv[1]))["vocab_size"])' "$MODEL_DIR/config.json")"

@@ -1,89 +1,275 @@
-"""Typed configuration, built once at the edge (``cli.py``) and passed down as plain values.
+"""One typed configuration tree, built once at the edge (``cli.py``), validated there, handed down in
+sections.
 
-Each dataclass is frozen: nothing changes a setting after start-up, so every component can read the
-value it was given without re-validating it.
+Rules:
+
+- Every setting lives in exactly one section, under one name, and that name is its flag's
+  (``--max-num-seqs`` is ``EngineConfig.max_num_seqs``; the one exception, ``--engine``, is
+  ``EngineConfig.kind``). Its default is written here once; the command line only overrides.
+  ``override`` routes a flat ``name=value`` to the section that holds ``name``, which is how the command
+  line and tests build a tree (``test_config.py`` checks that no name is held twice).
+- Each component receives its own section (or the few it reads), never the whole tree.
+- A child process receives its part as one serialized value (``encode``/``decode_engine_process``):
+  no setting is re-spelled as a flag on the way down.
+- Sections are frozen msgspec Structs: nothing changes a setting after start-up, and the tree
+  serializes as it is. This module imports no trio, zmq or torch (the layering test checks it).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
-from trioserve.frontend.stream_policy import StreamPolicy
+import msgspec
 
 EngineKind = Literal["model", "mock", "reference", "external"]
+EngineOutputPolicy = Literal["fold", "block"]  # when the engine's output HWM is reached: fold, or stall
+OutputQueuePolicy = Literal["coalesce", "block", "unbounded"]
+PolicyKind = Literal["merge", "queue", "stall", "abort-slow-client"]
+
+S = TypeVar("S", bound=msgspec.Struct)
 
 
-@dataclass(frozen=True, slots=True)
-class MockEngineConfig:
-    """The mock engine core: instant prefill, random tokens, a fixed step clock (seed 000's tool)."""
-
-    handshake_address: str
-    engine_index: int = 0
-    vocab_size: int = 32000
-    step_interval_us: int = 0  # 0: step as fast as possible
-    max_num_seqs: int = 1024
-    max_model_len: int = 8192
-    seed: int = 0
-    log_level: str = "info"
-    output_hwm: int = 64  # ZMQ high-water mark of the output socket, in steps; 0 = unbounded (vLLM)
-    output_policy: Literal["fold", "block"] = "fold"  # when the HWM is reached: fold steps, or stall
+class _Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    pass
 
 
-@dataclass(frozen=True, slots=True)
-class ServeConfig:
+# --------------------------------------------------------------------------------------------------
+# Shared by the API server and the engine core.
+# --------------------------------------------------------------------------------------------------
+
+
+class ModelConfig(_Section, frozen=True):
+    """What is served. The API server reads the names, the length limit and the tokenizer; the engine
+    core reads the model folder, the length limit and the vocabulary."""
+
     model: str | None = None  # a Hugging Face folder; None: the embedded default
-    host: str = "127.0.0.1"
-    port: int = 8000
-    engine: EngineKind = "model"
-    handshake_address: str | None = None  # for --engine external: where engine cores join
     tokenizer: str | None = None  # a Hugging Face tokenizer folder; None: the model's, or Qwen3's
-    served_model_name: tuple[str, ...] = ()
+    served_model_name: tuple[str, ...] = ()  # empty: the model folder, or the engine's own name
     max_model_len: int = 8192
-    max_num_seqs: int = 1024
-    renderer_num_workers: int = 1
-    max_request_body_bytes: int = 4 * 1024 * 1024
-    max_connections: int = 0  # connections an API server holds open; more are closed at once; 0: no limit
-    max_n: int = 16
-    output_queue_size: int = 2  # engine steps queued between the output pump and output handler
-    output_queue_policy: Literal["coalesce", "block", "unbounded"] = "coalesce"
-    stream_policy: StreamPolicy = field(default_factory=StreamPolicy)  # output handler -> each request
-    slow_client_max_tokens: int = 256  # abort-slow-client: how far behind a client may fall
-    engine_output_hwm: int = 64  # ZMQ high-water mark, engine -> API server, in steps; 0 = unbounded
-    engine_output_policy: Literal["fold", "block"] = "fold"  # what the engine does when it is reached
-    # Admission control (frontend/admission.py says which status each refusal gets and why).
-    max_concurrent_requests: int = 2048
-    max_pending_renders: int = 256
-    max_num_seqs_waiting: int = 1024
-    max_loop_lag_ms: float = 500.0
-    max_output_delay_ms: float = 200.0  # shed (503) while engine output waits longer here; 0 = off
-    shutdown_timeout: float = 5.0
-    engine_ready_timeout: float = 120.0
-    # When the engine core dies: restart it with backoff ("always"), or drain and exit 1 ("never").
-    engine_restart: Literal["always", "never"] = "always"
-    log_level: str = "info"
-    # Engine core settings, passed to the engine-core process when engine is "model" or "reference".
-    block_size: int = 16
-    num_gpu_blocks_override: int = 0  # 0: model: what --kv-cache-gib holds; reference: 4096
-    max_num_batched_tokens: int = 2048  # per step: bounds how long a prefill chunk stalls decodes
-    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
-    step_time_us: int = 0
-    # Worker settings, used when engine == "model".
-    device: str = "auto"
-    dtype: str = "auto"
-    kv_cache_gib: float = 2.0
-    worker_threads: int = 0
-    worker_step_timeout: float = 300.0
-    # Mock engine settings, used when engine == "mock".
-    vocab_size: int = 32000
-    step_interval_us: int = 0
-    mock_seed: int = 0
+    vocab_size: int = 32000  # the mock and reference engines'; a model's own replaces it at start-up
 
     @property
     def model_names(self) -> tuple[str, ...]:
         """Names clients may put in ``model``; the first is the one responses report."""
         if self.served_model_name:
             return self.served_model_name
-        if self.model:
-            return (self.model,)
-        return ("trioserve-reference",) if self.engine == "reference" else ("trioserve-mock",)
+        return (self.model,) if self.model else ("trioserve-mock",)
+
+
+# --------------------------------------------------------------------------------------------------
+# The API server.
+# --------------------------------------------------------------------------------------------------
+
+
+class HttpConfig(_Section, frozen=True):
+    """The edge: the listening socket, connections and request bodies."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_request_body_bytes: int = 4 * 1024 * 1024
+    max_connections: int = 0  # connections an API server holds open; more are closed at once; 0: no limit
+
+
+class AdmissionConfig(_Section, frozen=True):
+    """Which requests an API server takes (``frontend/request/admission.py`` says which status each
+    refusal gets and why)."""
+
+    max_concurrent_requests: int = 2048
+    max_pending_renders: int = 256
+    max_num_seqs_waiting: int = 1024
+    max_loop_lag_ms: float = 500.0
+    max_output_delay_ms: float = 200.0  # shed (503) while engine output waits longer here; 0 = off
+
+
+class RequestConfig(_Section, frozen=True):
+    """The request path: validation limits and the renderer pool."""
+
+    max_n: int = 16
+    renderer_num_workers: int = 1  # threads; 0: render on the event loop
+
+
+class StreamPolicy(msgspec.Struct, frozen=True):
+    """What a response does when its client cannot take bytes as fast as the engine makes them.
+
+    - ``merge`` (default, vLLM's one-slot collector): deltas wait, merged into one chunk per choice, and
+      go out as soon as the socket drains. Memory per slow client: one merged delta. Tokens per event
+      rise.
+    - ``queue:N``: up to N chunks queue behind the socket as they are, then deltas merge.
+    - ``stall``: the output handler waits for the slow client before it processes the next engine step:
+      every stream on this API server waits with it, and the wait reaches the engine through the step
+      queue's policy. Strict pacing at the price of head-of-line blocking; for experiments.
+    - ``abort-slow-client``: a client more than ``--slow-client-max-tokens`` tokens behind is cut off:
+      its engine requests are aborted at once and its stream ends with an error event (after what it
+      has not read yet). Everyone else is untouched.
+    """
+
+    kind: PolicyKind = "merge"
+    queue_events: int = 0  # queue:N
+    slow_client_max_tokens: int = 256  # abort-slow-client
+
+    @classmethod
+    def parse(cls, text: str, slow_client_max_tokens: int = 256) -> StreamPolicy:
+        """``merge`` | ``queue:N`` | ``stall`` | ``abort-slow-client``; ValueError otherwise."""
+        if text.startswith("queue:"):
+            count = int(text.removeprefix("queue:"))
+            if count < 1:
+                raise ValueError("queue:N needs N >= 1")
+            return cls("queue", queue_events=count, slow_client_max_tokens=slow_client_max_tokens)
+        if text in ("merge", "stall", "abort-slow-client"):
+            return cls(text, slow_client_max_tokens=slow_client_max_tokens)  # type: ignore[arg-type]
+        raise ValueError(f"unknown stream policy {text!r}: use merge, queue:N, stall or abort-slow-client")
+
+
+class StreamsConfig(_Section, frozen=True):
+    """Engine output to each client: the step queue between the output pump and the output handler,
+    and each response's policy towards a slow client."""
+
+    output_queue_size: int = 2  # engine steps queued between the output pump and output handler
+    output_queue_policy: OutputQueuePolicy = "coalesce"
+    stream_policy: str = "merge"  # parsed (and checked at the edge) by ``policy``
+    slow_client_max_tokens: int = 256  # abort-slow-client: how far behind a client may fall
+
+    @property
+    def policy(self) -> StreamPolicy:
+        return StreamPolicy.parse(self.stream_policy, self.slow_client_max_tokens)
+
+
+class SupervisorConfig(_Section, frozen=True):
+    """``serve``'s process tree: shutdown, and the engine core it starts and restarts."""
+
+    shutdown_timeout: float = 5.0
+    engine_ready_timeout: float = 120.0
+    # When the engine core dies: restart it with backoff ("always"), or drain and exit 1 ("never").
+    engine_restart: Literal["always", "never"] = "always"
+
+
+# --------------------------------------------------------------------------------------------------
+# The engine core and what runs its steps.
+# --------------------------------------------------------------------------------------------------
+
+
+class EngineConfig(_Section, frozen=True):
+    """One engine core: what executes its steps, how it joins the API servers, its scheduler and its
+    KV ledger."""
+
+    kind: EngineKind = "model"  # --engine
+    handshake_address: str | None = None  # where engine cores join; None: the API server's own
+    engine_index: int = 0
+    max_num_seqs: int = 1024
+    max_num_batched_tokens: int = 2048  # per step: bounds how long a prefill chunk stalls decodes
+    block_size: int = 16
+    num_gpu_blocks_override: int = 0  # 0: model: what --kv-cache-gib holds; reference: 4096
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    engine_output_hwm: int = 64  # ZMQ high-water mark, engine -> API server, in steps; 0 = unbounded
+    engine_output_policy: EngineOutputPolicy = "fold"
+    step_time_us: int = 0  # reference executor: time per forward
+
+
+class WorkerConfig(_Section, frozen=True):
+    """The worker processes that run the model (``--engine model``)."""
+
+    device: str = "auto"  # auto: cuda when present, else cpu
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on cuda, fp32 on cpu
+    kv_cache_gib: float = 2.0
+    worker_threads: int = 0  # torch CPU threads; 0: all cores but one
+    worker_step_timeout: float = 300.0  # a step's hard limit; also how long an engine may be silent
+
+
+class MockConfig(_Section, frozen=True):
+    """The mock engine core (``--engine mock``): instant prefill, random tokens, a fixed step clock."""
+
+    step_interval_us: int = 0  # 0: step as fast as possible
+    mock_seed: int = 0
+
+
+class EngineProcessConfig(_Section, frozen=True):
+    """What an engine-core process is started with, as one value."""
+
+    model: ModelConfig = ModelConfig()
+    engine: EngineConfig = EngineConfig()
+    worker: WorkerConfig = WorkerConfig()
+    mock: MockConfig = MockConfig()
+    log_level: str = "info"
+
+
+# --------------------------------------------------------------------------------------------------
+# The whole tree.
+# --------------------------------------------------------------------------------------------------
+
+
+class FrontendConfig(_Section, frozen=True):
+    """An API server's own sections."""
+
+    http: HttpConfig = HttpConfig()
+    admission: AdmissionConfig = AdmissionConfig()
+    request: RequestConfig = RequestConfig()
+    streams: StreamsConfig = StreamsConfig()
+
+
+class ServeConfig(_Section, frozen=True):
+    model: ModelConfig = ModelConfig()
+    frontend: FrontendConfig = FrontendConfig()
+    supervisor: SupervisorConfig = SupervisorConfig()
+    engine: EngineConfig = EngineConfig()
+    worker: WorkerConfig = WorkerConfig()
+    mock: MockConfig = MockConfig()
+    log_level: str = "info"
+
+    def engine_process(self, handshake_address: str) -> EngineProcessConfig:
+        """The engine-core process's part, joining at ``handshake_address``."""
+        engine = msgspec.structs.replace(self.engine, handshake_address=handshake_address)
+        return EngineProcessConfig(
+            model=self.model, engine=engine, worker=self.worker, mock=self.mock, log_level=self.log_level
+        )
+
+
+def setting_names(root: type[msgspec.Struct]) -> dict[str, tuple[str, ...]]:
+    """Every setting under ``root``: name -> the path of sections that holds it (``()`` for the
+    root's own). Raises ``TypeError`` if a name is held twice (the tree's first rule)."""
+    out: dict[str, tuple[str, ...]] = {}
+
+    def walk(section: type[msgspec.Struct], path: tuple[str, ...]) -> None:
+        for field in msgspec.structs.fields(section):
+            if isinstance(field.type, type) and issubclass(field.type, _Section):
+                walk(field.type, (*path, field.name))
+                continue
+            if field.name in out:
+                held = ".".join(out[field.name]) or "the root"
+                raise TypeError(f"setting {field.name!r} is held by both {held} and {'.'.join(path)}")
+            out[field.name] = path
+
+    walk(root, ())
+    return out
+
+
+def override(config: S, **values: Any) -> S:
+    """``config`` with each ``name=value`` set in the section that holds ``name`` (flat names, as on
+    the command line). Unknown names raise ``TypeError``; values are checked against the field types."""
+    names = setting_names(type(config))
+    tree: dict[str, Any] = {}
+    for name, value in values.items():
+        if name not in names:
+            raise TypeError(f"no setting named {name!r}")
+        node = tree
+        for part in names[name]:
+            node = node.setdefault(part, {})
+        node[name] = value
+
+    def apply(section: msgspec.Struct, changes: dict[str, Any]) -> msgspec.Struct:
+        for key, value in changes.items():
+            if isinstance(value, dict):
+                changes[key] = apply(getattr(section, key), value)
+        return msgspec.structs.replace(section, **changes)
+
+    new = apply(config, tree)
+    # Round-trip through the validating decoder: a wrong type is an error here, not in a component.
+    return msgspec.json.decode(msgspec.json.encode(new), type=type(config))
+
+
+def encode(config: msgspec.Struct) -> str:
+    """One value for a child process's command line (JSON)."""
+    return msgspec.json.encode(config).decode()
+
+
+def decode_engine_process(text: str) -> EngineProcessConfig:
+    return msgspec.json.decode(text, type=EngineProcessConfig)

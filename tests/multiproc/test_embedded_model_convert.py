@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from trioserve.worker.embedded_model import INSTALL_COMMAND, default_model_dir, ensure_default_model
+from trioserve.models.embedded_model import INSTALL_COMMAND, default_model_dir, ensure_default_model
 
 pytestmark = [
     pytest.mark.multiproc,
@@ -63,7 +63,7 @@ def test_folder_is_a_plain_llama_checkpoint(converted: tuple[Path, list[str]]) -
 def test_tokenizer_loads_offline_with_template_and_eos(converted: tuple[Path, list[str]]) -> None:
     from tokenizers import Tokenizer as BackendTokenizer
 
-    from trioserve.frontend.tokenizer import load_tokenizer
+    from trioserve.frontend.text.tokenizer import load_tokenizer
 
     folder, _ = converted
     tokenizer = load_tokenizer(str(folder))  # AutoTokenizer, local files only

@@ -19,7 +19,7 @@ import torch
 import trio
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from trioserve.frontend.tokenizer import load_tokenizer
+from trioserve.frontend.text.tokenizer import load_tokenizer
 
 from ._support import RawHttp, post, proc_children, proc_title, request_json, sse_chunks, summarize
 from .conftest import ServerProcess

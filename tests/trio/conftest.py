@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import socket
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import pytest
 import trio
@@ -17,10 +17,12 @@ import trio.testing
 import zmq
 
 from tests.trio.http_client import HttpClient
-from trioserve.config import MockEngineConfig, ServeConfig
+from trioserve.config import ServeConfig, override
+from trioserve.engine.core import EngineCore
+from trioserve.engine.main import mock_core
 from trioserve.frontend.api_server import ApiServer, EngineAddresses
-from trioserve.frontend.tokenizer import Tokenizer, load_tokenizer
-from trioserve.mock.engine import MockEngine
+from trioserve.frontend.text.tokenizer import Tokenizer, load_tokenizer
+from trioserve.launch.serve import api_server
 
 STEP_US = 10_000
 _ids = itertools.count()
@@ -39,7 +41,7 @@ def autojump_clock() -> trio.testing.MockClock:
 @dataclass
 class Stack:
     api: ApiServer
-    engine: MockEngine
+    engine: EngineCore
     nursery: trio.Nursery
 
     async def client(self, rcvbuf: int | None = None) -> HttpClient:
@@ -55,26 +57,18 @@ class Stack:
 
 # Rendering on the event loop: a renderer thread would let the autojumping clock move by an arbitrary
 # amount while it runs, so request start times would not be deterministic.
-BASE_CONFIG = ServeConfig(max_model_len=512, step_interval_us=STEP_US, renderer_num_workers=0)
+BASE_CONFIG = override(ServeConfig(), max_model_len=512, step_interval_us=STEP_US, renderer_num_workers=0)
 
 
 async def start_stack(
-    nursery: trio.Nursery, tokenizer: Tokenizer, config: ServeConfig = BASE_CONFIG, **engine_overrides: int
+    nursery: trio.Nursery, tokenizer: Tokenizer, config: ServeConfig = BASE_CONFIG, **engine_overrides: object
 ) -> Stack:
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     n = next(_ids)
     addresses = EngineAddresses(f"inproc://hs-{n}", f"inproc://in-{n}", f"inproc://out-{n}")
-    engine_config = MockEngineConfig(
-        handshake_address=addresses.handshake,
-        step_interval_us=config.step_interval_us,
-        max_model_len=config.max_model_len,
-        max_num_seqs=config.max_num_seqs,
-        vocab_size=config.vocab_size,
-        output_hwm=config.engine_output_hwm,
-        output_policy=config.engine_output_policy,
-    )
-    engine = MockEngine(replace(engine_config, **engine_overrides), ctx)
-    api = ApiServer(config, tokenizer, ctx, addresses)
+    process = override(config.engine_process(addresses.handshake), **engine_overrides)
+    engine = EngineCore(process.engine, mock_core(process), ctx)
+    api = api_server(config, tokenizer, ctx, addresses)
     nursery.start_soon(engine.run)
     await nursery.start(api.run, None)
     return Stack(api, engine, nursery)

@@ -25,9 +25,9 @@ from wsproto.events import AcceptConnection, Request, TextMessage
 from tests.trio.conftest import BASE_CONFIG, STEP_US, Stack, start_stack
 from tests.trio.test_engine_core import CoreStack, start_core_stack
 from tests.trio.test_streaming import CHAT, chat_body
-from trioserve.engine.shell import RecentAborts
+from trioserve.engine.core import RecentAborts
 from trioserve.frontend.engine_client import EngineClient
-from trioserve.frontend.tokenizer import Tokenizer
+from trioserve.frontend.text.tokenizer import Tokenizer
 from trioserve.protocol.codec import engine_input_codec
 from trioserve.protocol.messages import AbortRequests, AddRequest, SamplingParams
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import socket
 from collections.abc import AsyncIterator
-from dataclasses import replace
 
 import h11
 import pytest
@@ -15,15 +14,16 @@ from trio.testing import MockClock
 
 from tests.trio.conftest import BASE_CONFIG, STEP_US, Stack, start_stack
 from tests.trio.test_streaming import CHAT, chat_body
-from trioserve.frontend.http_sink import HttpSink
-from trioserve.frontend.tokenizer import Tokenizer
+from trioserve.config import override
+from trioserve.frontend.edge.http_sink import HttpSink
+from trioserve.frontend.text.tokenizer import Tokenizer
 
 STEP = STEP_US / 1e6
 
 
 @pytest.fixture
 async def limited(tokenizer: Tokenizer, autojump_clock: MockClock) -> AsyncIterator[Stack]:
-    config = replace(BASE_CONFIG, max_concurrent_requests=2, max_loop_lag_ms=500.0)
+    config = override(BASE_CONFIG, max_concurrent_requests=2, max_loop_lag_ms=500.0)
     async with trio.open_nursery() as nursery:
         yield await start_stack(nursery, tokenizer, config)
         nursery.cancel_scope.cancel()
@@ -65,7 +65,7 @@ async def test_slot_is_released_on_every_exit_path(limited: Stack, autojump_cloc
     limited.engine.core.max_model_len = 8
     assert (await client.request(CHAT, chat_body(5))).status == 400
     assert admission.in_flight == 0
-    limited.engine.core.max_model_len = BASE_CONFIG.max_model_len
+    limited.engine.core.max_model_len = BASE_CONFIG.model.max_model_len
     # The client disconnects mid-stream.
     leaving = await limited.client()
     await leaving.send_request(CHAT, chat_body(100))

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import socket
 from collections.abc import AsyncIterator
-from dataclasses import replace
 
 import pytest
 import trio
@@ -13,15 +12,16 @@ from trio.testing import MockClock
 
 from tests.trio.conftest import BASE_CONFIG, Stack, start_stack
 from tests.trio.test_streaming import CHAT, chat_body
-from trioserve.frontend.http_server import BODY_TIMEOUT, HEAD_TIMEOUT, MAX_HEAD, MAX_TARGET
-from trioserve.frontend.tokenizer import Tokenizer
+from trioserve.config import override
+from trioserve.frontend.edge.http_server import BODY_TIMEOUT, HEAD_TIMEOUT, MAX_HEAD, MAX_TARGET
+from trioserve.frontend.text.tokenizer import Tokenizer
 
 FAST_PATH_MARKER = (b"x-accel-buffering", b"no")  # only the fast path's SSE head carries it
 
 
 @pytest.fixture
 async def long_stack(tokenizer: Tokenizer, autojump_clock: MockClock) -> AsyncIterator[Stack]:
-    config = replace(BASE_CONFIG, max_model_len=16384)
+    config = override(BASE_CONFIG, max_model_len=16384)
     async with trio.open_nursery() as nursery:
         yield await start_stack(nursery, tokenizer, config)
         nursery.cancel_scope.cancel()
@@ -124,7 +124,7 @@ async def test_a_slow_head_gets_408_and_is_closed(stack: Stack, autojump_clock: 
 
 async def test_after_a_413_the_connection_is_closed_not_left_hanging(stack: Stack) -> None:
     sock = await _raw(stack)
-    limit = stack.api.config.max_request_body_bytes
+    limit = stack.api.frontend.http.max_request_body_bytes
     await sock.send(b"POST /tokenize HTTP/1.1\r\nhost: t\r\ncontent-length: %d\r\n\r\n" % (limit + 1))
     data = await _read_all(sock)
     assert data.startswith(b"HTTP/1.1 413 ")

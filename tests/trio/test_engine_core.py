@@ -14,11 +14,15 @@ from trio.testing import MockClock
 
 from tests.trio.conftest import BASE_CONFIG, STEP_US, Stack
 from tests.trio.test_streaming import CHAT, chat_body
-from trioserve.engine.core import EngineCore, EngineCoreConfig
-from trioserve.engine.executor import ReferenceExecutor
-from trioserve.engine.scheduler import SchedulerConfig, SchedulerOutput
-from trioserve.frontend.api_server import ApiServer, EngineAddresses
-from trioserve.frontend.tokenizer import Tokenizer
+from trioserve.config import EngineConfig
+from trioserve.engine.core import EngineCore
+from trioserve.engine.executor import Executor, ReferenceExecutor
+from trioserve.engine.scheduler import SchedulerConfig
+from trioserve.engine.scheduler_core import SchedulerCore
+from trioserve.frontend.api_server import EngineAddresses
+from trioserve.frontend.text.tokenizer import Tokenizer
+from trioserve.launch.serve import api_server
+from trioserve.protocol.step import SchedulerOutput
 
 STEP = STEP_US / 1e6
 _ids = itertools.count()
@@ -36,9 +40,17 @@ class RecordingExecutor(ReferenceExecutor):
         return await super().execute(step)
 
 
+def scheduler_engine(
+    handshake: str, scheduler: SchedulerConfig, executor: Executor, ctx: zmq.Context[zmq.Socket[bytes]]
+) -> EngineCore:
+    """The engine-core shell around the scheduler and ``executor`` (what ``--engine reference`` runs)."""
+    core = SchedulerCore(scheduler, executor, vocab_size=32000)
+    return EngineCore(EngineConfig(handshake_address=handshake), core, ctx)
+
+
 @dataclass
 class CoreStack(Stack):
-    core: EngineCore  # type: ignore[assignment]
+    core: SchedulerCore  # ``engine.core``
     executor: RecordingExecutor
 
 
@@ -48,17 +60,18 @@ async def start_core_stack(nursery: trio.Nursery, tokenizer: Tokenizer, num_bloc
     scheduler = SchedulerConfig(
         max_num_seqs=64,
         max_num_batched_tokens=64,
-        max_model_len=BASE_CONFIG.max_model_len,
+        max_model_len=BASE_CONFIG.model.max_model_len,
         num_blocks=num_blocks,
         block_size=4,
     )
     executor = RecordingExecutor(num_blocks, 4, 32000, STEP)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-    core = EngineCore(EngineCoreConfig(addresses.handshake, scheduler, vocab_size=32000), executor, ctx)
-    api = ApiServer(BASE_CONFIG, tokenizer, ctx, addresses)
-    nursery.start_soon(core.run)
+    engine = scheduler_engine(addresses.handshake, scheduler, executor, ctx)
+    api = api_server(BASE_CONFIG, tokenizer, ctx, addresses)
+    nursery.start_soon(engine.run)
     await nursery.start(api.run, None)
-    return CoreStack(api, core, nursery, core, executor)  # type: ignore[arg-type]
+    assert isinstance(engine.core, SchedulerCore)
+    return CoreStack(api, engine, nursery, engine.core, executor)
 
 
 @pytest.fixture

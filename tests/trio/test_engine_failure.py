@@ -13,12 +13,15 @@ from trio.testing import MockClock
 
 from tests.trio.conftest import BASE_CONFIG, STEP_US
 from tests.trio.http_client import HttpClient
+from tests.trio.test_engine_core import scheduler_engine
 from tests.trio.test_streaming import CHAT, chat_body
-from trioserve.engine.core import EngineCore, EngineCoreConfig
+from trioserve.engine.core import EngineCore
 from trioserve.engine.executor import ExecutorFailed, ReferenceExecutor
-from trioserve.engine.scheduler import SchedulerConfig, SchedulerOutput
+from trioserve.engine.scheduler import SchedulerConfig
 from trioserve.frontend.api_server import ApiServer, EngineAddresses
-from trioserve.frontend.tokenizer import Tokenizer
+from trioserve.frontend.text.tokenizer import Tokenizer
+from trioserve.launch.serve import api_server
+from trioserve.protocol.step import SchedulerOutput
 
 STEP = STEP_US / 1e6
 _ids = itertools.count()
@@ -48,13 +51,13 @@ async def run_stack(
     scheduler = SchedulerConfig(
         max_num_seqs=16,
         max_num_batched_tokens=64,
-        max_model_len=BASE_CONFIG.max_model_len,
+        max_model_len=BASE_CONFIG.model.max_model_len,
         num_blocks=256,
         block_size=4,
     )
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-    core = EngineCore(EngineCoreConfig(addresses.handshake, scheduler, vocab_size=32000), executor, ctx)
-    api = ApiServer(BASE_CONFIG, tokenizer, ctx, addresses)
+    core = scheduler_engine(addresses.handshake, scheduler, executor, ctx)
+    api = api_server(BASE_CONFIG, tokenizer, ctx, addresses)
 
     async def core_task() -> None:
         try:

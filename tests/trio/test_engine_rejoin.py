@@ -13,27 +13,29 @@ import zmq
 from trio.testing import MockClock
 
 from tests.trio.conftest import BASE_CONFIG, STEP_US
+from tests.trio.test_engine_core import scheduler_engine
 from tests.trio.test_engine_failure import FailingExecutor, client_of
 from tests.trio.test_streaming import CHAT, chat_body
-from trioserve.engine.core import EngineCore, EngineCoreConfig
-from trioserve.engine.executor import ExecutorFailed, ReferenceExecutor
+from trioserve.engine.core import EngineCore
+from trioserve.engine.executor import Executor, ExecutorFailed, ReferenceExecutor
 from trioserve.engine.scheduler import SchedulerConfig
-from trioserve.frontend.api_server import ApiServer, EngineAddresses
-from trioserve.frontend.tokenizer import Tokenizer
+from trioserve.frontend.api_server import EngineAddresses
+from trioserve.frontend.text.tokenizer import Tokenizer
+from trioserve.launch.serve import api_server
 
 STEP = STEP_US / 1e6
 _ids = itertools.count()
 
 
-def core_config(handshake: str) -> EngineCoreConfig:
+def engine_core(handshake: str, executor: Executor, ctx: zmq.Context[zmq.Socket[bytes]]) -> EngineCore:
     scheduler = SchedulerConfig(
         max_num_seqs=16,
         max_num_batched_tokens=64,
-        max_model_len=BASE_CONFIG.max_model_len,
+        max_model_len=BASE_CONFIG.model.max_model_len,
         num_blocks=256,
         block_size=4,
     )
-    return EngineCoreConfig(handshake, scheduler, vocab_size=32000)
+    return scheduler_engine(handshake, scheduler, executor, ctx)
 
 
 async def run_core(core: EngineCore, errors: list[BaseException], ended: trio.Event | None = None) -> None:
@@ -52,12 +54,12 @@ async def test_a_replacement_engine_joins_and_serving_resumes(
     n = next(_ids)
     addresses = EngineAddresses(f"inproc://rhs-{n}", f"inproc://rin-{n}", f"inproc://rout-{n}")
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-    api = ApiServer(BASE_CONFIG, tokenizer, ctx, addresses)
+    api = api_server(BASE_CONFIG, tokenizer, ctx, addresses)
     errors: list[BaseException] = []
     async with trio.open_nursery() as nursery:
         first = FailingExecutor(fail_at=6)
         first_ended = trio.Event()
-        core = EngineCore(core_config(addresses.handshake), first, ctx)
+        core = engine_core(addresses.handshake, first, ctx)
         nursery.start_soon(run_core, core, errors, first_ended)
         await nursery.start(api.run, None)
         assert api.engine.joins == 1
@@ -78,7 +80,7 @@ async def test_a_replacement_engine_joins_and_serving_resumes(
 
         # The replacement (what the supervisor starts in its own process) joins at the same address.
         second = ReferenceExecutor(num_blocks=256, block_size=4, vocab_size=32000, step_time=STEP)
-        nursery.start_soon(run_core, EngineCore(core_config(addresses.handshake), second, ctx), errors)
+        nursery.start_soon(run_core, engine_core(addresses.handshake, second, ctx), errors)
         with trio.fail_after(60):
             while api.engine.joins < 2:
                 await api.engine.link_changed()
@@ -103,11 +105,11 @@ async def test_an_engine_replaced_before_reporting_its_end_fails_its_requests(
     n = next(_ids)
     addresses = EngineAddresses(f"inproc://xhs-{n}", f"inproc://xin-{n}", f"inproc://xout-{n}")
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-    api = ApiServer(BASE_CONFIG, tokenizer, ctx, addresses)
+    api = api_server(BASE_CONFIG, tokenizer, ctx, addresses)
     errors: list[BaseException] = []
     async with trio.open_nursery() as nursery:
         slow = ReferenceExecutor(num_blocks=256, block_size=4, vocab_size=32000, step_time=STEP)
-        first = EngineCore(core_config(addresses.handshake), slow, ctx)
+        first = engine_core(addresses.handshake, slow, ctx)
         old_engine = trio.CancelScope()
 
         async def run_first() -> None:
@@ -122,7 +124,7 @@ async def test_an_engine_replaced_before_reporting_its_end_fails_its_requests(
         old_engine.cancel()  # it vanishes without a word (as a SIGKILLed process would)
         monkeypatch.setattr(os, "getpid", lambda: 424242)  # the replacement is another process
         fast = ReferenceExecutor(num_blocks=256, block_size=4, vocab_size=32000, step_time=STEP)
-        nursery.start_soon(run_core, EngineCore(core_config(addresses.handshake), fast, ctx), errors)
+        nursery.start_soon(run_core, engine_core(addresses.handshake, fast, ctx), errors)
         with trio.fail_after(30):
             await client.read_body(reply)
         (error,) = [c["error"] for c in reply.chunks if "error" in c]

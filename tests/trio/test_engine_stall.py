@@ -15,7 +15,6 @@ import logging
 import re
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import replace
 
 import pytest
 import trio
@@ -24,18 +23,21 @@ from trio.testing import MockClock
 
 from tests.trio.conftest import BASE_CONFIG, STEP_US, Stack, start_stack
 from tests.trio.http_client import HttpClient, Reply
-from tests.trio.test_engine_core import CoreStack, RecordingExecutor, start_core_stack
+from tests.trio.test_engine_core import CoreStack, RecordingExecutor, scheduler_engine, start_core_stack
 from tests.trio.test_streaming import CHAT, chat_body
-from trioserve.engine.core import EngineCore, EngineCoreConfig
+from trioserve.config import override
+from trioserve.engine import core as engine_core
 from trioserve.engine.output_pump import OutputPump
-from trioserve.engine.scheduler import SchedulerConfig, SchedulerOutput
+from trioserve.engine.scheduler import SchedulerConfig
+from trioserve.engine.scheduler_core import SchedulerCore
 from trioserve.engine.step_watch import STEP_FACTOR
-from trioserve.frontend.api_server import ApiServer, EngineAddresses
+from trioserve.frontend.api_server import EngineAddresses
 from trioserve.frontend.engine_health import STALL_FLOOR
-from trioserve.frontend.tokenizer import Tokenizer
-from trioserve.mock import engine as mock_engine
+from trioserve.frontend.text.tokenizer import Tokenizer
+from trioserve.launch.serve import api_server
 from trioserve.protocol.messages import HEARTBEAT_INTERVAL, EngineOutputs
-from trioserve.sync import Waker
+from trioserve.protocol.step import SchedulerOutput
+from trioserve.runtime.sync import Waker
 
 STEP = STEP_US / 1e6
 
@@ -143,13 +145,13 @@ async def test_a_stopped_idle_engine_is_detected_by_its_missing_heartbeat(
     tokenizer: Tokenizer, autojump_clock: MockClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     engine = Freezer()
-    wait_for_work = mock_engine.wait_for_work
+    wait_for_work = engine_core.wait_for_work
 
     async def stoppable(work: Waker, pump: OutputPump) -> None:  # where an idle engine loop waits
         await engine.gate()
         await wait_for_work(work, pump)
 
-    monkeypatch.setattr(mock_engine, "wait_for_work", stoppable)
+    monkeypatch.setattr(engine_core, "wait_for_work", stoppable)
     with trio.fail_after(300):
         async with trio.open_nursery() as nursery:
             stack = await start_stack(nursery, tokenizer, BASE_CONFIG)
@@ -191,7 +193,7 @@ async def test_a_slow_but_steady_engine_is_never_stalled(
                 seen_bounds.append(stack.api.engine.health[0].bound())
             await client.read_body(reply)
             assert seen_bounds[-1] == pytest.approx(4 * HEARTBEAT_INTERVAL)
-            assert stack.core.step_watch.bound(1) == pytest.approx(STEP_FACTOR * 1.5)
+            assert stack.engine.step_watch.bound(1) == pytest.approx(STEP_FACTOR * 1.5)
             nursery.cancel_scope.cancel()
 
 
@@ -221,13 +223,14 @@ async def long_step_stack(tokenizer: Tokenizer) -> AsyncIterator[tuple[CoreStack
     )
     executor = SizedExecutor(4096, 4, 32000, STEP)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-    core = EngineCore(EngineCoreConfig(addresses.handshake, scheduler, vocab_size=32000), executor, ctx)
-    api = ApiServer(replace(BASE_CONFIG, max_model_len=4096), tokenizer, ctx, addresses)
+    engine = scheduler_engine(addresses.handshake, scheduler, executor, ctx)
+    api = api_server(override(BASE_CONFIG, max_model_len=4096), tokenizer, ctx, addresses)
+    assert isinstance(engine.core, SchedulerCore)
     with trio.fail_after(600):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(core.run)
+            nursery.start_soon(engine.run)
             await nursery.start(api.run, None)
-            yield CoreStack(api, core, nursery, core, executor), executor.freezer  # type: ignore[arg-type]
+            yield CoreStack(api, engine, nursery, engine.core, executor), executor.freezer
             nursery.cancel_scope.cancel()
 
 
@@ -258,7 +261,7 @@ async def test_a_long_prefill_after_fast_decodes_is_not_a_stall(
     stays 200 and a request that arrives meanwhile is admitted (before, 3 s of silence was a stall)."""
     caplog.set_level(logging.INFO, "trioserve")
     async with long_step_stack(tokenizer) as (stack, _):
-        watch = stack.core.step_watch
+        watch = stack.engine.step_watch
         health_seen: list[int] = []
         admitted: list[Reply] = []
 
@@ -303,7 +306,7 @@ async def test_a_hung_step_after_a_long_one_is_a_stall_at_its_bound(
         await decode_then_long_prefill(stack)
         worker.freeze()
         await trio.sleep(3 * STEP)  # the next forward has begun, and never returns
-        watch = stack.core.step_watch
+        watch = stack.engine.step_watch
         step = watch.running
         assert step is not None and step.tokens == 1  # the stream's decode
         bound = watch.bound(step.tokens)
@@ -350,7 +353,7 @@ async def test_a_stopped_engine_core_mid_step_is_detected_by_silence(
         frozen_at = trio.current_time()
         health = stack.api.engine.health[0]
         silence_bound = health.bound()
-        assert silence_bound <= STALL_FLOOR + 1.0 < stack.core.step_watch.bound(1)
+        assert silence_bound <= STALL_FLOOR + 1.0 < stack.engine.step_watch.bound(1)
         await trio.sleep(silence_bound - 0.1)
         assert (await get(stack, "/health"))[0] == 200
         await trio.sleep(0.2)

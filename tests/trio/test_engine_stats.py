@@ -8,6 +8,7 @@ every new request was refused with 503 "N requests are waiting in the engine", f
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -21,8 +22,9 @@ from tests.trio.conftest import BASE_CONFIG, STEP_US, Stack, start_stack
 from tests.trio.http_client import HttpClient
 from tests.trio.test_engine_core import start_core_stack
 from tests.trio.test_streaming import CHAT, chat_body
-from trioserve.frontend.admission import STATS_MAX_AGE
-from trioserve.frontend.tokenizer import Tokenizer
+from trioserve.config import override
+from trioserve.frontend.request.admission import STATS_MAX_AGE
+from trioserve.frontend.text.tokenizer import Tokenizer
 from trioserve.protocol.messages import HEARTBEAT_INTERVAL, EngineOutputs
 
 STEP = STEP_US / 1e6
@@ -38,7 +40,7 @@ def sample(text: str, name: str) -> float:
 
 @asynccontextmanager
 async def mock_stack(tokenizer: Tokenizer) -> AsyncIterator[Stack]:
-    config = replace(BASE_CONFIG, max_num_seqs=MAX_NUM_SEQS, max_num_seqs_waiting=MAX_WAITING)
+    config = override(BASE_CONFIG, max_num_seqs=MAX_NUM_SEQS, max_num_seqs_waiting=MAX_WAITING)
     with trio.fail_after(120):
         async with trio.open_nursery() as nursery:
             yield await start_stack(nursery, tokenizer, config)
@@ -53,7 +55,7 @@ async def core_stack(tokenizer: Tokenizer) -> AsyncIterator[Stack]:
             # The same caps as the mock's: 4 running at a time, refuse at 2 waiting.
             stack.core.scheduler.config = replace(stack.core.scheduler.config, max_num_seqs=MAX_NUM_SEQS)
             admission = stack.api.serving.admission
-            admission.limits = replace(admission.limits, max_num_seqs_waiting=MAX_WAITING)
+            admission.limits = override(admission.limits, max_num_seqs_waiting=MAX_WAITING)
             yield stack
             nursery.cancel_scope.cancel()
 
@@ -103,19 +105,25 @@ async def test_a_disconnect_storm_does_not_lock_the_server_out(
         assert len(admitted.content_events()) == 5
 
 
+def record_engine_messages(stack: Stack) -> list[tuple[float, EngineOutputs]]:
+    """Every engine message the API server's output handler takes from now on, with its time."""
+    handler = stack.api.handler
+    seen: list[tuple[float, EngineOutputs]] = []
+    process = handler.process
+
+    def recording(step: EngineOutputs) -> None:
+        seen.append((trio.current_time(), step))
+        process(step)
+
+    handler.process = recording  # type: ignore[method-assign]
+    return seen
+
+
 async def test_the_last_request_finishing_reports_idle_stats_at_once(
     tokenizer: Tokenizer, autojump_clock: MockClock
 ) -> None:
     async with mock_stack(tokenizer) as stack:
-        handler = stack.api.handler
-        seen: list[tuple[float, EngineOutputs]] = []
-        process = handler.process
-
-        def recording(step: EngineOutputs) -> None:
-            seen.append((trio.current_time(), step))
-            process(step)
-
-        handler.process = recording  # type: ignore[method-assign]
+        seen = record_engine_messages(stack)
         client = await stack.client()
         await client.send_request(CHAT, chat_body(400))
         await client.read_body(await client.read_head(), max_events=3)
@@ -156,9 +164,29 @@ async def test_an_idle_engine_sends_a_heartbeat_every_interval(
         assert age <= HEARTBEAT_INTERVAL < STATS_MAX_AGE
 
 
+async def test_a_mock_engine_on_a_slow_clock_is_heard_from_mid_step(
+    tokenizer: Tokenizer, autojump_clock: MockClock
+) -> None:
+    """The mock runs in the one engine-core shell, so it has the beat task too: with 3 s steps an API
+    server still hears from it every heartbeat interval, and each mid-step message says how the step
+    stands (the mock's own shell had no beat task: 3 s of silence per step)."""
+    config = override(BASE_CONFIG, step_interval_us=3_000_000)
+    async with trio.open_nursery() as nursery:
+        stack = await start_stack(nursery, tokenizer, config)
+        seen = record_engine_messages(stack)
+        start = trio.current_time()
+        reply = await (await stack.client()).request(CHAT, chat_body(3))
+        assert reply.status == 200
+        times = [start] + [t for t, _ in seen]
+        assert max(b - a for a, b in itertools.pairwise(times)) <= HEARTBEAT_INTERVAL + STEP
+        mid_step = [step.stats for _, step in seen if not step.outputs and step.stats.step_elapsed > 0]
+        assert mid_step and all(s.step_tokens == 1 and not s.step_overdue for s in mid_step)
+        nursery.cancel_scope.cancel()
+
+
 async def test_engine_folds_reach_the_metrics(tokenizer: Tokenizer, autojump_clock: MockClock) -> None:
     """``OutputPump.folded_steps`` (the engine held steps its socket would not take) is exported."""
-    config = replace(BASE_CONFIG, output_queue_size=4, engine_output_hwm=2, output_queue_policy="block")
+    config = override(BASE_CONFIG, output_queue_size=4, engine_output_hwm=2, output_queue_policy="block")
     async with trio.open_nursery() as nursery:
         stack = await start_stack(nursery, tokenizer, config)
         queue = stack.api.steps

@@ -17,7 +17,7 @@ from trioserve.launch.engine_supervisor import (
     EngineSupervisor,
     RestartBackoff,
 )
-from trioserve.sync import Waker
+from trioserve.runtime.sync import Waker
 
 _pids = itertools.count(1000)
 

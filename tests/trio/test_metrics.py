@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import re
-from dataclasses import replace
 
 import trio
 from trio.testing import MockClock
 
 from tests.trio.conftest import BASE_CONFIG, STEP_US, Stack, start_stack
 from tests.trio.test_streaming import CHAT, chat_body
-from trioserve.frontend.stream_policy import StreamPolicy
-from trioserve.frontend.tokenizer import Tokenizer
+from trioserve.config import override
+from trioserve.frontend.text.tokenizer import Tokenizer
 
 STEP = STEP_US / 1e6
 
@@ -45,13 +44,31 @@ async def test_metrics_count_exactly_what_was_served(stack: Stack, autojump_cloc
     assert sample(text, "trioserve:requests_in_flight") == 0
     assert sample(text, "vllm:num_requests_running") == 0
     assert sample(text, "vllm:time_to_first_token_seconds_bucket", 'le="+Inf"') == 3
+    assert sample(text, "trioserve:renderer_jobs_total") == 0  # rendered on the event loop here
+
+
+async def test_metrics_show_queue_high_water_mark_and_renderer_batching(tokenizer: Tokenizer) -> None:
+    """On the real clock: the renderer's thread would let an autojumping clock run off."""
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            stack = await start_stack(nursery, tokenizer, override(BASE_CONFIG, renderer_num_workers=1))
+            client = await stack.client()
+            for _ in range(2):  # one after the other: each render is a batch of its own
+                assert (await client.request(CHAT, chat_body(3))).status == 200
+            text = (await client.request("/metrics", b"", method="GET")).body.decode()
+            assert "# TYPE trioserve:renderer_batches_total counter" in text
+            assert sample(text, "trioserve:renderer_jobs_total") == 2
+            assert sample(text, "trioserve:renderer_batches_total") == 2
+            assert "# HELP trioserve:output_queue_depth_max " in text
+            assert sample(text, "trioserve:output_queue_depth_max") == stack.api.steps.max_depth >= 1
+            nursery.cancel_scope.cancel()
 
 
 async def test_metrics_show_what_waits_for_slow_clients(
     tokenizer: Tokenizer, autojump_clock: MockClock
 ) -> None:
     for policy in ("merge", "stall"):
-        cfg = replace(BASE_CONFIG, stream_policy=StreamPolicy.parse(policy))
+        cfg = override(BASE_CONFIG, stream_policy=policy)
         async with trio.open_nursery() as nursery:
             stack = await start_stack(nursery, tokenizer, cfg)
             slow, fast = await stack.client(rcvbuf=4096), await stack.client()

@@ -8,7 +8,7 @@ and falls further behind the more it holds beyond that, as a saturated event loo
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -17,8 +17,9 @@ from trio.testing import MockClock
 
 from tests.trio.conftest import BASE_CONFIG, STEP_US, Stack, start_stack
 from tests.trio.test_streaming import CHAT, chat_body
-from trioserve.frontend.output_handler import StampedStepQueue
-from trioserve.frontend.tokenizer import Tokenizer
+from trioserve.config import override
+from trioserve.frontend.output.output_handler import StampedStepQueue
+from trioserve.frontend.text.tokenizer import Tokenizer
 from trioserve.protocol.messages import EngineOutputs, EngineStats
 
 STEP = STEP_US / 1e6
@@ -54,7 +55,7 @@ async def run_load(tokenizer: Tokenizer, clients: int, spacing: float, **config:
         # A deep output queue, so that a handler that falls behind shows as steps waiting (the
         # default queue of 2 folds them instead, which bounds the wait and hides it from the gate).
         config = {"output_queue_size": 64, **config}
-        stack = await start_stack(nursery, tokenizer, replace(BASE_CONFIG, **config))
+        stack = await start_stack(nursery, tokenizer, override(BASE_CONFIG, **config))
         queue, handler = stack.api.steps, stack.api.handler
         fast_get = queue.get
 
@@ -134,7 +135,7 @@ async def test_overload_is_refused_at_once_with_503_and_admitted_requests_keep_t
     # The gate acts on delay that has appeared: the requests admitted while it grew wait up to about
     # the budget for their first token, plus what it grew meanwhile; never the seconds it grows to
     # without the gate (below).
-    budget = BASE_CONFIG.max_output_delay_ms / 1e3
+    budget = BASE_CONFIG.frontend.admission.max_output_delay_ms / 1e3
     assert max(o.ttft or 10.0 for o in admitted) < 2 * budget
     admission = run.stack.api.serving.admission
     assert admission.rejected == {"output_delay": len(refused)}

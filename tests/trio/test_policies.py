@@ -6,7 +6,6 @@ The API server is made slow deterministically: its output handler takes three en
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import trio
@@ -14,7 +13,8 @@ from trio.testing import MockClock
 
 from tests.trio.conftest import BASE_CONFIG, STEP_US, Stack, start_stack
 from tests.trio.test_streaming import CHAT, chat_body
-from trioserve.frontend.tokenizer import Tokenizer
+from trioserve.config import override
+from trioserve.frontend.text.tokenizer import Tokenizer
 from trioserve.protocol.messages import EngineOutputs
 
 STEP = STEP_US / 1e6
@@ -24,7 +24,7 @@ TOKENS = 120
 async def run_slow(tokenizer: Tokenizer, **config: Any) -> tuple[Stack, list[int], int, float]:
     """One streamed request of TOKENS tokens against a slow output handler. Returns the stack, the
     tokens per event the client saw, the engine's steps, and the time from first to last token."""
-    cfg = replace(BASE_CONFIG, **{"output_queue_size": 4, "engine_output_hwm": 2, **config})
+    cfg = override(BASE_CONFIG, **{"output_queue_size": 4, "engine_output_hwm": 2, **config})
     result: tuple[Stack, list[int], int, float] | None = None
     async with trio.open_nursery() as nursery:
         stack = await start_stack(nursery, tokenizer, cfg)

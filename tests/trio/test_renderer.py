@@ -7,7 +7,7 @@ import threading
 import pytest
 import trio
 
-from trioserve.frontend.renderer import RendererPool
+from trioserve.frontend.request.renderer import RendererPool
 
 
 async def test_results_errors_and_batching() -> None:
@@ -41,6 +41,7 @@ async def test_results_errors_and_batching() -> None:
     assert {i: r for i, r in results.items() if i != 3} == {0: 0, 1: 1, 2: 4, 4: 16, 5: 25}
     assert isinstance(results[3], ValueError)
     assert seen_threads == {"trioserve-renderer-0"}
+    assert pool.jobs == 6
     assert pool.batches <= 2  # jobs that queued behind a busy worker came back in one hand-over
     assert not any(t.name.startswith("trioserve-renderer") for t in threading.enumerate())
 

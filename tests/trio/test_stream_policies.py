@@ -4,7 +4,6 @@ reading for a while (tiny socket buffers make it back up within a few events).""
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
 
 import trio
 from trio.testing import MockClock
@@ -12,8 +11,8 @@ from trio.testing import MockClock
 from tests.trio.conftest import BASE_CONFIG, STEP_US, start_stack
 from tests.trio.http_client import Reply
 from tests.trio.test_streaming import CHAT, chat_body
-from trioserve.frontend.stream_policy import StreamPolicy
-from trioserve.frontend.tokenizer import Tokenizer
+from trioserve.config import override
+from trioserve.frontend.text.tokenizer import Tokenizer
 
 STEP = STEP_US / 1e6
 TOKENS = 200
@@ -23,7 +22,7 @@ PAUSE = 60 * STEP  # how long the slow client stops reading
 async def slow_and_fast(tokenizer: Tokenizer, policy: str, **config: int) -> tuple[Reply, Reply, int]:
     """Runs a slow and a fast streaming client side by side; returns both replies and how many
     requests the engine still runs right after the slow client resumed."""
-    cfg = replace(BASE_CONFIG, stream_policy=StreamPolicy.parse(policy), **config)  # type: ignore[arg-type]
+    cfg = override(BASE_CONFIG, stream_policy=policy, **config)
     async with trio.open_nursery() as nursery:
         stack = await start_stack(nursery, tokenizer, cfg)
         slow, fast = await stack.client(rcvbuf=4096), await stack.client()

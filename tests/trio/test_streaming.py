@@ -12,7 +12,7 @@ import trio
 from trio.testing import MockClock
 
 from tests.trio.conftest import STEP_US, Stack
-from trioserve.frontend.http_server import HEAD_TIMEOUT
+from trioserve.frontend.edge.http_server import HEAD_TIMEOUT
 from trioserve.mock.core import MockCore
 
 STEP = STEP_US / 1e6
@@ -86,7 +86,14 @@ async def test_stop_string_aborts_engine_within_one_step(stack: Stack, autojump_
             super().abort(request_ids)
 
     old = stack.engine.core
-    core = stack.engine.core = RecordingCore(old.vocab_size, old.max_num_seqs, old.max_model_len)
+    core = stack.engine.core = RecordingCore(
+        old.vocab_size,
+        old.max_num_seqs,
+        old.max_model_len,
+        step_interval_us=old.step_interval_us,
+        current_time=old.current_time,
+        sleep_until=old.sleep_until,
+    )
     reply = await client.request(CHAT, chat_body(30, seed=3, stop=[stop]))
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in reply.chunks)
     assert text == expected

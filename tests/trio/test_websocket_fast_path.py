@@ -7,7 +7,7 @@ import itertools
 import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -26,16 +26,10 @@ from wsproto.events import (
 
 from tests.trio.conftest import BASE_CONFIG, STEP_US, Stack, start_stack
 from tests.trio.test_streaming import chat_body
-from trioserve.config import ServeConfig
-from trioserve.frontend.stream_policy import StreamPolicy
-from trioserve.frontend.tokenizer import Tokenizer
-from trioserve.frontend.ws_server import (
-    READ_PAUSE_BYTES,
-    WsConnection,
-    text_frame,
-    upgrade_response,
-    websocket_upgrade,
-)
+from trioserve.config import ServeConfig, override
+from trioserve.frontend.edge.ws_server import READ_PAUSE_BYTES, WS_PATH, WsConnection, websocket_upgrade
+from trioserve.frontend.text.tokenizer import Tokenizer
+from trioserve.protocol.ws_frames import upgrade_response
 
 STEP = STEP_US / 1e6
 TOKENS = 200
@@ -114,7 +108,7 @@ async def ws_client(stack: Stack, rcvbuf: int | None = None, *, via_accept_loop:
         await client.sock.send(client.ws.send(Request(host="test", target="/v1/ws")))
     else:
         server_end.setblocking(False)
-        session = websocket_upgrade(stack.api.serving)(
+        session = websocket_upgrade(stack.api.serving, stack.api.frontend.http.max_request_body_bytes)(
             server_end, client.ws.send(Request(host="test", target="/v1/ws"))
         )
         assert session is not None
@@ -183,7 +177,7 @@ async def test_requests_cancel_ping_and_bad_messages(tokenizer: Tokenizer, autoj
 
 
 async def test_fragmented_and_oversized_messages(tokenizer: Tokenizer, autojump_clock: MockClock) -> None:
-    async with running_stack(tokenizer, replace(BASE_CONFIG, max_request_body_bytes=1000)) as stack:
+    async with running_stack(tokenizer, override(BASE_CONFIG, max_request_body_bytes=1000)) as stack:
         c = await ws_client(stack)
         big = "x" * 40_000  # the limit is the body limit + 64 KiB: 66536 characters
         for i in range(3):
@@ -214,7 +208,7 @@ async def test_client_leaving_cancels_its_requests(tokenizer: Tokenizer, autojum
 async def slow_and_fast(tokenizer: Tokenizer, policy: str, **config: Any) -> tuple[WsClient, WsClient, int]:
     """A slow socket (two requests) and a fast one side by side; returns both clients and how many
     requests the engine still runs right after the slow client resumed reading."""
-    cfg: ServeConfig = replace(BASE_CONFIG, stream_policy=StreamPolicy.parse(policy), **config)
+    cfg: ServeConfig = override(BASE_CONFIG, stream_policy=policy, **config)
     async with running_stack(tokenizer, cfg) as stack:
         slow, fast = await ws_client(stack, rcvbuf=4096), await ws_client(stack)
         await slow.request("s1", chat_body(TOKENS))
@@ -284,39 +278,6 @@ async def test_stall_makes_every_stream_wait_for_the_slowest(
     assert max(gaps(fast.chunks("f"))) > PAUSE / 2  # the fast socket waited while the slow one did not read
 
 
-def test_text_frames_of_every_length_encoding() -> None:
-    client = WSConnection(ConnectionType.CLIENT)
-    accepted = upgrade_response(client.send(Request(host="t", target="/v1/ws")))
-    assert accepted is not None
-    client.receive_data(accepted[0])
-    assert isinstance(next(client.events()), AcceptConnection)
-    for n in (0, 1, 125, 126, 65535, 65536, 200_000):
-        message = b"x" * n
-        client.receive_data(text_frame(message))
-        events = list(client.events())
-        assert len(events) == 1 and isinstance(events[0], TextMessage), events
-        assert events[0].data == message.decode() and events[0].message_finished
-
-
-def test_only_websocket_upgrades_of_the_route_take_the_fast_path() -> None:
-    def head(path: str, *extra: str) -> bytes:
-        lines = [f"GET {path} HTTP/1.1", "Host: t", *extra, "", ""]
-        return "\r\n".join(lines).encode()
-
-    upgrade = ("Upgrade: websocket", "Connection: keep-alive, Upgrade", "Sec-WebSocket-Version: 13",
-               "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==")  # fmt: skip
-    accepted = upgrade_response(head("/v1/ws?x=1", *upgrade) + b"\x81\x80")
-    assert accepted is not None
-    response, leftover = accepted
-    assert response.startswith(b"HTTP/1.1 101 ")
-    assert b"sec-websocket-accept: s3pPLMBiTxaQ9kYGzzhZRbK+xOo=" in response  # RFC 6455's example
-    assert leftover == b"\x81\x80"  # frames sent early are kept
-    assert upgrade_response(head("/v1/ws")) is None  # plain GET: the accept loop answers 426
-    assert upgrade_response(head("/v1/wsx", *upgrade)) is None
-    assert upgrade_response(head("/v1/models", *upgrade)) is None
-    assert upgrade_response(head("/v1/ws", *upgrade[:2], upgrade[3])) is None  # no version
-
-
 async def test_a_client_that_sends_and_never_reads_meets_backpressure(
     tokenizer: Tokenizer, autojump_clock: MockClock
 ) -> None:
@@ -329,9 +290,9 @@ async def test_a_client_that_sends_and_never_reads_meets_backpressure(
             end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
         server_end.setblocking(False)
         client = WsClient(trio.socket.from_stdlib_socket(client_end))
-        upgrade = upgrade_response(client.ws.send(Request(host="test", target="/v1/ws")))
+        upgrade = upgrade_response(client.ws.send(Request(host="test", target="/v1/ws")), WS_PATH)
         assert upgrade is not None
-        conn = WsConnection(server_end, stack.api.serving)
+        conn = WsConnection(server_end, stack.api.serving, stack.api.frontend.http.max_request_body_bytes)
         stack.nursery.start_soon(conn.run, *upgrade)
         assert isinstance(await client.next_event(), AcceptConnection)
         frame = client.ws.send(TextMessage(data="x"))  # not JSON: an error reply each

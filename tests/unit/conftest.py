@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from trioserve.frontend.tokenizer import Tokenizer, load_tokenizer
+from trioserve.frontend.text.tokenizer import Tokenizer, load_tokenizer
 
 
 @pytest.fixture(scope="session")

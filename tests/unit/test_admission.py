@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from trioserve.frontend.admission import Admission, AdmissionLimits, DelayGate
-from trioserve.frontend.errors import ApiError
+from trioserve.config import AdmissionConfig, override
+from trioserve.frontend.request.admission import Admission, DelayGate
+from trioserve.frontend.request.errors import ApiError
+
+
+def _limits(**limits: float) -> AdmissionConfig:
+    """Only the limits given; every other one off (0)."""
+    off = {name: 0 for name in AdmissionConfig.__struct_fields__}
+    return override(AdmissionConfig(), **{**off, **limits})
 
 
 def refusal(admission: Admission) -> ApiError:
@@ -15,7 +22,7 @@ def refusal(admission: Admission) -> ApiError:
 
 
 def test_concurrency_limit_is_429_and_slots_come_back() -> None:
-    admission = Admission(AdmissionLimits(max_concurrent_requests=2))
+    admission = Admission(_limits(max_concurrent_requests=2))
     a, b = admission.admit(), admission.admit()
     err = refusal(admission)
     assert (err.status, err.retry_after) == (429, 1)
@@ -29,7 +36,7 @@ def test_concurrency_limit_is_429_and_slots_come_back() -> None:
 
 
 def test_overload_rules_are_503() -> None:
-    admission = Admission(AdmissionLimits(max_pending_renders=1, max_num_seqs_waiting=5, max_loop_lag=0.2))
+    admission = Admission(_limits(max_pending_renders=1, max_num_seqs_waiting=5, max_loop_lag_ms=200))
     with admission.rendering_slot():
         assert refusal(admission).status == 503
     assert admission.rendering == 0
@@ -44,7 +51,7 @@ def test_overload_rules_are_503() -> None:
 
 
 def test_zero_means_no_limit() -> None:
-    admission = Admission(AdmissionLimits())
+    admission = Admission(_limits())
     admission.loop_lag, admission.engine_waiting = 10.0, 10**6
     admission.observe_output_delay(10.0)
     tickets = [admission.admit() for _ in range(1000)]
@@ -62,7 +69,7 @@ def test_delay_gate_shuts_above_the_budget_and_opens_at_half() -> None:
 
 
 def test_output_delay_sheds_with_503_until_the_backlog_drains() -> None:
-    admission = Admission(AdmissionLimits(max_output_delay=0.2, max_concurrent_requests=10))
+    admission = Admission(_limits(max_output_delay_ms=200, max_concurrent_requests=10))
     first = admission.admit()
     admission.observe_output_delay(0.35)
     err = refusal(admission)

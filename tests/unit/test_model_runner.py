@@ -86,9 +86,7 @@ class Engine:
         out = self.scheduler.schedule(self.now)
         self.preemptions += len(out.preempted_request_ids)
         sampled = self.runner.execute(out)
-        outputs = [
-            o for outs in self.scheduler.update_from_output(out, sampled, self.now).values() for o in outs
-        ]
+        outputs = [o for outs in self.scheduler.update_from_output(out, sampled).values() for o in outs]
         for o in outputs:
             self.tokens[o.request_id] += o.new_token_ids
             if o.finish_reason is not None:

@@ -19,17 +19,15 @@ import msgspec
 import msgspec.inspect as mi
 import pytest
 
-from trioserve.config import ServeConfig
-from trioserve.frontend.errors import ApiError
-from trioserve.frontend.openai_schema import (
+from trioserve.config import ModelConfig, RequestConfig
+from trioserve.frontend.request.errors import ApiError
+from trioserve.frontend.request.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
-from trioserve.frontend.serving import message_dicts
-from trioserve.frontend.stop_strings import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
-from trioserve.frontend.validate import (
+from trioserve.frontend.request.validate import (
     INFORMATIONAL_FIELDS,
     MAX_JSON_DEPTH,
     UNSUPPORTED_FIELDS,
@@ -38,27 +36,29 @@ from trioserve.frontend.validate import (
     output_options,
     sampling_params,
 )
+from trioserve.frontend.serving import message_dicts
+from trioserve.frontend.text.stop_strings import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 
 # Field path -> "module:qualified name" of the code that implements its effect.
 _SAMPLING = {
-    "model": "trioserve.frontend.validate:output_options",
-    "stream": "trioserve.frontend.validate:output_options",
-    "stream_options": "trioserve.frontend.validate:output_options",
-    "stream_options.include_usage": "trioserve.frontend.validate:output_options",
-    "stream_options.continuous_usage_stats": "trioserve.frontend.validate:output_options",
-    "n": "trioserve.frontend.validate:output_options",
-    "stop": "trioserve.frontend.validate:output_options",
-    "include_stop_str_in_output": "trioserve.frontend.validate:output_options",
-    "skip_special_tokens": "trioserve.frontend.validate:output_options",
-    "return_token_ids": "trioserve.frontend.validate:output_options",
-    "max_tokens": "trioserve.frontend.validate:requested_max_tokens",
-    "temperature": "trioserve.frontend.validate:sampling_params",
-    "top_p": "trioserve.frontend.validate:sampling_params",
-    "top_k": "trioserve.frontend.validate:sampling_params",
-    "seed": "trioserve.frontend.validate:sampling_params",
-    "stop_token_ids": "trioserve.frontend.validate:sampling_params",
-    "ignore_eos": "trioserve.frontend.validate:sampling_params",
-    "min_tokens": "trioserve.frontend.validate:sampling_params",
+    "model": "trioserve.frontend.request.validate:output_options",
+    "stream": "trioserve.frontend.request.validate:output_options",
+    "stream_options": "trioserve.frontend.request.validate:output_options",
+    "stream_options.include_usage": "trioserve.frontend.request.validate:output_options",
+    "stream_options.continuous_usage_stats": "trioserve.frontend.request.validate:output_options",
+    "n": "trioserve.frontend.request.validate:output_options",
+    "stop": "trioserve.frontend.request.validate:output_options",
+    "include_stop_str_in_output": "trioserve.frontend.request.validate:output_options",
+    "skip_special_tokens": "trioserve.frontend.request.validate:output_options",
+    "return_token_ids": "trioserve.frontend.request.validate:output_options",
+    "max_tokens": "trioserve.frontend.request.validate:requested_max_tokens",
+    "temperature": "trioserve.frontend.request.validate:sampling_params",
+    "top_p": "trioserve.frontend.request.validate:sampling_params",
+    "top_k": "trioserve.frontend.request.validate:sampling_params",
+    "seed": "trioserve.frontend.request.validate:sampling_params",
+    "stop_token_ids": "trioserve.frontend.request.validate:sampling_params",
+    "ignore_eos": "trioserve.frontend.request.validate:sampling_params",
+    "min_tokens": "trioserve.frontend.request.validate:sampling_params",
     "priority": "trioserve.frontend.serving:Serving._prepare",
 }
 _MESSAGES = {
@@ -73,21 +73,21 @@ EFFECTS: dict[type, dict[str, str]] = {
     ChatCompletionRequest: {
         **_SAMPLING,
         **_MESSAGES,
-        "max_completion_tokens": "trioserve.frontend.validate:requested_max_tokens",
+        "max_completion_tokens": "trioserve.frontend.request.validate:requested_max_tokens",
         "add_generation_prompt": "trioserve.frontend.serving:Serving._chat_prompt",
         "chat_template_kwargs": "trioserve.frontend.serving:Serving._chat_prompt",
     },
     CompletionRequest: {**_SAMPLING, "prompt": "trioserve.frontend.serving:Serving._completion_prompt"},
     TokenizeRequest: {
         **_MESSAGES,
-        "model": "trioserve.frontend.app:create_app",
-        "prompt": "trioserve.frontend.app:create_app",
-        "add_special_tokens": "trioserve.frontend.app:create_app",
-        "add_generation_prompt": "trioserve.frontend.app:create_app",
+        "model": "trioserve.frontend.edge.app:create_app",
+        "prompt": "trioserve.frontend.edge.app:create_app",
+        "add_special_tokens": "trioserve.frontend.edge.app:create_app",
+        "add_generation_prompt": "trioserve.frontend.edge.app:create_app",
     },
     DetokenizeRequest: {
-        "model": "trioserve.frontend.app:create_app",
-        "tokens": "trioserve.frontend.app:create_app",
+        "model": "trioserve.frontend.edge.app:create_app",
+        "tokens": "trioserve.frontend.edge.app:create_app",
     },
 }
 
@@ -160,7 +160,8 @@ def test_documented_fields_exist() -> None:
 
 # ---- the checks themselves, without a server -----------------------------------------------------
 
-CONFIG = ServeConfig(max_model_len=512)
+MODEL = ModelConfig(max_model_len=512)
+LIMITS = RequestConfig()
 USER = {"role": "user", "content": "hi"}
 
 
@@ -170,12 +171,12 @@ def validate(body: dict[str, Any], kind: str = "chat") -> None:
     req: ChatCompletionRequest | CompletionRequest
     if kind == "chat":
         req = decode_body(raw, ChatCompletionRequest)
-        output_options(req, CONFIG)
+        output_options(req, MODEL, LIMITS)
         message_dicts(req.messages)
     else:
         req = decode_body(raw, CompletionRequest)
-        output_options(req, CONFIG)
-    sampling_params(req, CONFIG, 10)
+        output_options(req, MODEL, LIMITS)
+    sampling_params(req, MODEL, 10)
 
 
 def refused(body: dict[str, Any], kind: str = "chat") -> ApiError:
@@ -474,7 +475,7 @@ def test_deep_chat_template_kwargs_is_a_400(depth: int) -> None:
     body = b'{"messages":[{"role":"user","content":"x"}],"chat_template_kwargs":{"a":%b}}' % nested(depth)
     with pytest.raises(ApiError) as info:
         req = decode_body(body, ChatCompletionRequest)
-        output_options(req, CONFIG)
+        output_options(req, MODEL, LIMITS)
     assert info.value.status == 400 and "nested" in info.value.message
 
 
@@ -482,7 +483,7 @@ def test_shallow_chat_template_kwargs_is_accepted() -> None:
     depth = MAX_JSON_DEPTH - 2  # the kwargs dict and the dict around the lists count too
     kwargs = b'{"a":{"b":%b}}' % nested(depth)
     body = b'{"messages":[{"role":"user","content":"x"}],"chat_template_kwargs":%b}' % kwargs
-    output_options(decode_body(body, ChatCompletionRequest), CONFIG)
+    output_options(decode_body(body, ChatCompletionRequest), MODEL, LIMITS)
 
 
 @pytest.mark.parametrize(
@@ -498,7 +499,7 @@ def test_shallow_chat_template_kwargs_is_accepted() -> None:
 def test_deep_nesting_anywhere_is_a_400(body: bytes) -> None:
     with pytest.raises(ApiError) as info:
         req = decode_body(body % nested(20_000), ChatCompletionRequest)
-        output_options(req, CONFIG)
+        output_options(req, MODEL, LIMITS)
         message_dicts(req.messages)
     assert info.value.status == 400
 

@@ -117,7 +117,7 @@ class Driver:
         self.outputs.append(out)
         self.schedules.append(dict(out.num_scheduled_tokens))
         sampled = self.runner.execute(out)
-        results = flat(self.s.update_from_output(out, sampled, self.now))
+        results = flat(self.s.update_from_output(out, sampled))
         self.s.ledger.check_invariants()
         for rid, o in results.items():
             self.tokens.setdefault(rid, []).extend(o.new_token_ids)
@@ -451,7 +451,7 @@ def test_a_request_aborted_while_its_step_runs_gets_no_output() -> None:
     s.add_request(make_add("b", 3), 0.0)
     out = s.schedule(1.0)
     s.abort(["a"])
-    outputs = flat(s.update_from_output(out, {"a": [1], "b": [2]}, 1.0))
+    outputs = flat(s.update_from_output(out, {"a": [1], "b": [2]}))
     assert list(outputs) == ["b"]
     s.ledger.check_invariants()
 
@@ -461,7 +461,7 @@ def test_outputs_are_grouped_by_client_index() -> None:
     d.add(make_add("a", 2, max_tokens=1, client=0), make_add("b", 2, max_tokens=1, client=1))
     d.s.add_request(make_add("c", 2, max_tokens=1, client=1), 0.0)
     out = d.s.schedule(1.0)
-    per_client = d.s.update_from_output(out, d.runner.execute(out), 1.0)
+    per_client = d.s.update_from_output(out, d.runner.execute(out))
     assert {c: [o.request_id for o in outs] for c, outs in per_client.items()} == {0: ["a"], 1: ["b", "c"]}
 
 

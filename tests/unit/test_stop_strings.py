@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trioserve.frontend.stop_strings import (
+from trioserve.frontend.text.stop_strings import (
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     StopResult,

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trioserve.frontend.byte_detokenizer import ByteLevelDetokenizer, ByteLevelTables
-from trioserve.frontend.detokenizer import IncrementalDetokenizer
-from trioserve.frontend.tokenizer import Tokenizer
+from trioserve.frontend.text.byte_detokenizer import ByteLevelDetokenizer, ByteLevelTables
+from trioserve.frontend.text.detokenizer import IncrementalDetokenizer
+from trioserve.frontend.text.tokenizer import Tokenizer
 
 SPLIT_EMOJI = [9284, 104, 254]  # 🫠 as three byte-level tokens
 

@@ -1,18 +1,30 @@
-"""The engine-core process's Trio shell around the pure scheduler (design §3, §7).
+"""The engine-core process's Trio shell (design §3, §7): one shell around a small core interface
+(``engine/core_api.py``), run the same way whether the core is the scheduler with its executor
+(``engine/scheduler_core.py``) or the mock (``mock/core.py``).
 
-Tasks, all in one nursery: an input pump per API server (decodes requests, builds ``Request``s and
-hashes their prompt blocks between steps, so the step itself never does), the busy loop
-(``schedule`` → ``executor.execute`` → ``update_from_output``) with its beat task beside it, and the
+Tasks, all in one nursery: an input pump per API server (decodes requests and hands them to the core,
+which builds its ``Request``s and hashes their prompt blocks between steps, so the step itself never
+does), the busy loop (``schedule`` → ``execute`` → ``update``) with its beat task beside it, and the
 output pump.
 
-Aborts take a fast path: the input pump only queues them, and the busy loop applies them right after
-the current forward, before that step's outputs are processed, so an aborted request produces no
-output after the step that was running when the abort arrived.
+Aborts take a fast path: the input pump hands each one to the core the moment it arrives, ahead of
+anything the busy loop is doing, and the core makes it land before the running step's outputs (rule 3
+of ``engine/core_api.py``): the scheduler's core right after the forward, the mock's at once, before
+the step's tokens are made. Either way an aborted request produces no output from the step that was
+running when the abort arrived, nor after it.
+
+A defensive rule on the input side (``RecentAborts``): an add that arrives after an abort of the same
+request id is dropped. API servers never send one (their engine client drops a queued add instead of
+sending its abort ahead of it); this keeps a request that somehow overtook its own abort from running
+to ``max_tokens`` with nobody reading it.
+
+A request the core refuses (``add`` returns an error output) is answered with the next outputs to its
+API server, or at once when no step is due.
 
 Stats-only messages (``engine.output_pump.Heartbeat``): right after the step in which the last request
 finished or was aborted, and every ``HEARTBEAT_INTERVAL`` to an API server that heard nothing
 meanwhile; the idle loop waits for work at most until the next one is due. Between steps the busy loop
-sends them; while a step runs (the busy loop awaits the executor) the beat task does, through the
+sends them; while a step runs (the busy loop awaits ``execute``) the beat task does, through the
 pump's never-awaiting ``beat``, so a step of many seconds (a CPU model's 2048-token prefill chunk) is
 no silence: an API server hears silence only from a stopped engine core.
 
@@ -22,9 +34,10 @@ runs carries it (``EngineStats.step_*``), and the beat task tells every API serv
 step becomes overdue; an API server then reports the engine stalled (``frontend/engine_health.py``).
 A hung worker is thus refused fast, long before ``--worker-step-timeout`` fails it.
 
-An executor that fails (``ExecutorFailed``: a worker died, hung or raised), during a step or while the
+A core that fails (``ExecutorFailed``: a worker died, hung or raised), during a step or while the
 engine is idle, ends the engine: every API server gets ``EngineDead`` with the reason (and fails the
-requests it holds with it), then the process exits with an error. Nothing waits on a dead worker.
+requests it holds with it), then ``run`` raises and the process exits with an error. Nothing waits on
+a dead worker. ``ShutdownEngine`` ends ``run`` after the current step.
 """
 
 from __future__ import annotations
@@ -32,17 +45,20 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Callable, Iterable
 from typing import NoReturn
 
 import trio
 import zmq
 
-from trioserve.engine.executor import Executor, ExecutorFailed
-from trioserve.engine.output_pump import OutputPolicy, OutputPump
-from trioserve.engine.scheduler import Scheduler, SchedulerConfig
-from trioserve.engine.shell import run_engine, wait_for_work
+from trioserve.config import EngineConfig
+from trioserve.engine.core_api import Core
+from trioserve.engine.executor import ExecutorFailed
+from trioserve.engine.handshake import join_frontends
+from trioserve.engine.output_pump import OutputPump
 from trioserve.engine.step_watch import StepWatch
+from trioserve.protocol.codec import ProtocolError, engine_input_codec
 from trioserve.protocol.messages import (
     AbortRequests,
     AddRequest,
@@ -53,106 +69,103 @@ from trioserve.protocol.messages import (
     RequestOutput,
     ShutdownEngine,
 )
-from trioserve.sync import Waker
+from trioserve.runtime.sync import Waker
+from trioserve.transport.zmq_socket import TrioZmqSocket
 
 log = logging.getLogger("trioserve.engine")
 
 
-@dataclass(frozen=True, slots=True)
-class EngineCoreConfig:
-    handshake_address: str
-    scheduler: SchedulerConfig
-    vocab_size: int
-    kind: str = "reference"  # what executes the steps, as reported in the handshake
-    engine_index: int = 0
-    output_hwm: int = 64
-    output_policy: OutputPolicy = "fold"
-    step_timeout: float | None = None  # the executor's hard limit on one step (the worker's), if any
-
-
 class EngineCore:
+    """The shell. ``config`` is the engine section (handshake address, engine index, output HWM and
+    policy); ``step_timeout`` caps the step watch's bound (the executor's own hard limit on a step,
+    when it has one). ``core`` is read at every step, so a test may swap it between steps."""
+
     def __init__(
-        self, config: EngineCoreConfig, executor: Executor, ctx: zmq.Context[zmq.Socket[bytes]]
+        self,
+        config: EngineConfig,
+        core: Core,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        *,
+        step_timeout: float | None = None,
     ) -> None:
+        if config.handshake_address is None:
+            raise ValueError("an engine core needs a handshake address")
         self.config = config
-        self.executor = executor
-        self.scheduler = Scheduler(config.scheduler)
+        self.handshake_address = config.handshake_address
+        self.core = core
         self._ctx = ctx
-        self._aborts: list[str] = []
         self._rejected: dict[int, list[RequestOutput]] = {}
         self._work = Waker()
         self._shutdown = False
         self.step_count = 0
         self.pump: OutputPump | None = None
-        self.step_watch = StepWatch(ceiling=config.step_timeout)
+        self.step_watch = StepWatch(ceiling=step_timeout)
         self._step_started = Waker()
         self._told_overdue = -1  # the number of the last step the beat task reported overdue
-        executor.on_failure = self._work.set
+        core.wake_on_failure(self._work.set)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Join every API server, start the pumps and the beat task, then run the busy loop until a
+        ``ShutdownEngine`` (returns) or a failure (raises ``ExecutorFailed``)."""
         cfg = self.config
-        sched = cfg.scheduler
-        ready = EngineReady(
-            engine_index=cfg.engine_index,
-            pid=os.getpid(),
-            kind=cfg.kind,
-            max_model_len=sched.max_model_len,
-            max_num_seqs=sched.max_num_seqs,
-            vocab_size=cfg.vocab_size,
-            num_kv_blocks=sched.num_blocks,
-            block_size=sched.block_size,
+        ready = self.core.ready(cfg.engine_index, os.getpid())
+        sockets = await join_frontends(
+            self._ctx, self.handshake_address, ready, output_hwm=cfg.engine_output_hwm
         )
-        await run_engine(
-            self._ctx,
-            cfg.handshake_address,
-            ready,
-            output_hwm=cfg.output_hwm,
-            output_policy=cfg.output_policy,
-            on_input=self._on_input,
-            busy_loop=self._busy_loop,
-            beside=self._beat_during_steps,
-            task_status=task_status,
-        )
+        try:
+            async with trio.open_nursery() as nursery:
+                for sock in sockets.inputs:
+                    nursery.start_soon(_input_pump, sock, self._on_input)
+                pump = self.pump = OutputPump(sockets.outputs, cfg.engine_output_policy)
+                if pump.policy == "fold":
+                    nursery.start_soon(pump.run)
+                nursery.start_soon(self._beat_during_steps, pump)
+                task_status.started()
+                await self._busy_loop(pump, ready)
+                nursery.cancel_scope.cancel()
+        finally:
+            sockets.close()
 
     def _on_input(self, msg: EngineInput) -> None:
         match msg:
             case AddRequest():
-                rejected = self.scheduler.add_request(msg, time.time())
+                rejected = self.core.add(msg)
                 if rejected is not None:
                     self._rejected.setdefault(msg.client_index, []).append(rejected)
             case AbortRequests(request_ids=ids):
-                self._aborts += ids  # applied by the busy loop right after the current forward
+                self.core.abort(ids)  # the fast path: the core lands it before the step's outputs
             case ShutdownEngine():
                 self._shutdown = True
         self._work.set()
 
-    def _apply_aborts(self) -> None:
-        if self._aborts:
-            self.scheduler.abort(self._aborts)
-            self._aborts = []
-
-    async def _busy_loop(self, pump: OutputPump) -> None:
-        self.pump = pump
-        log.info("engine core %d ready (%s executor)", self.config.engine_index, self.config.kind)
-        scheduler = self.scheduler
+    async def _busy_loop(self, pump: OutputPump, ready: EngineReady) -> None:
+        ledger = f"{ready.num_kv_blocks} KV blocks of {ready.block_size}" if ready.block_size else "no KV"
+        log.info(
+            "engine core %d ready (%s core: max_num_seqs %d, max_model_len %d, %s)",
+            ready.engine_index,
+            ready.kind,
+            ready.max_num_seqs,
+            ready.max_model_len,
+            ledger,
+        )
         watch = self.step_watch
         while not self._shutdown:
-            if self.executor.failure is not None:
-                await self._die(str(self.executor.failure), pump)
-            self._apply_aborts()
-            step = scheduler.schedule(time.time()) if scheduler.has_work else None
-            if step is None or step.is_empty:
+            core = self.core
+            if core.failure is not None:
+                await self._die(str(core.failure), pump)
+            tokens = core.schedule()
+            if tokens is None:
                 if self._rejected:
                     await self._send({}, pump)
                     continue
-                await pump.send_stats(scheduler.has_work, self._stats_message)  # idle report, heartbeats
+                await pump.send_stats(core.has_work, self._stats_message)  # idle report, heartbeats
                 await wait_for_work(self._work, pump)  # nothing to compute until a request or an abort
                 continue
-            watch.start(step.total_num_scheduled_tokens, trio.current_time())
+            watch.start(tokens, trio.current_time())
             self._step_started.set()
             failure: ExecutorFailed | None = None
             try:
-                sampled = await self.executor.execute(step)
+                await core.execute()
             except ExecutorFailed as exc:
                 failure = exc
             finally:
@@ -160,11 +173,10 @@ class EngineCore:
                 ran = watch.end(trio.current_time())
             if failure is not None:
                 await self._die(str(failure), pump)
-            self._apply_aborts()  # the fast path: before this step's outputs are processed
             # A step reported overdue that returns is news for every API server, not only for those
             # its outputs go to: they would read the engine as stalled until their next heartbeat.
             recovered = ran is not None and ran.number == self._told_overdue
-            await self._send(scheduler.update_from_output(step, sampled, time.time()), pump, recovered)
+            await self._send(core.update(), pump, recovered)
 
     async def _die(self, reason: str, pump: OutputPump) -> NoReturn:
         """The model cannot run any more: tell every API server (each fails the requests it holds with
@@ -179,14 +191,14 @@ class EngineCore:
             per_client.setdefault(client, []).extend(outs)
         self._rejected = {}
         self.step_count += 1
-        stats = self.scheduler.stats()
+        core = self.core
+        stats = core.stats()
         now = time.time()
+        index = self.config.engine_index
         for client, outs in per_client.items():
-            await pump.send(
-                client, EngineOutputs(self.config.engine_index, self.step_count, now, outs, stats)
-            )
+            await pump.send(client, EngineOutputs(index, self.step_count, now, outs, stats))
         others = [c for c in range(pump.num_clients) if c not in per_client] if recovered else []
-        await pump.send_stats(self.scheduler.has_work, self._stats_message, also=others)
+        await pump.send_stats(core.has_work, self._stats_message, also=others)
 
     async def _beat_during_steps(self, pump: OutputPump) -> None:
         """The beat task: while a step runs, the heartbeats owed (``pump.beat``), and the moment the
@@ -219,7 +231,7 @@ class EngineCore:
             pump.beat(self._stats_message, everyone=news)
 
     def _stats_message(self) -> EngineOutputs:
-        stats = self.scheduler.stats()
+        stats = self.core.stats()
         watch = self.step_watch
         step = watch.running
         if step is not None:  # a message sent mid-step says how the step stands
@@ -229,3 +241,64 @@ class EngineCore:
             stats.step_bound = watch.bound(step.tokens)
             stats.step_overdue = watch.overdue_now(now)
         return EngineOutputs(self.config.engine_index, self.step_count, time.time(), [], stats)
+
+
+async def wait_for_work(work: Waker, pump: OutputPump) -> None:
+    """An idle busy loop's wait: until ``work`` is set or the next heartbeat is due, whichever comes
+    first (the caller then sends what ``pump.send_stats`` says is owed and looks for work again)."""
+    with trio.move_on_at(pump.heartbeat.next_due()):
+        await work.wait()
+
+
+class RecentAborts:
+    """The last ``capacity`` request ids aborted through one API server's socket. Request ids are
+    unique across the deployment, so an add for one of them arrived after its own abort and must not
+    run. Bounded: a set for lookups and a FIFO that forgets the oldest id (an add overtaken by more
+    than ``capacity`` aborts is not caught; the API server's ordering is the real guarantee)."""
+
+    __slots__ = ("_ids", "_order", "capacity", "dropped")
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self.capacity = capacity
+        self._ids: set[str] = set()
+        self._order: deque[str] = deque()
+        self.dropped = 0  # adds refused because their abort came first
+
+    def remember(self, request_ids: Iterable[str]) -> None:
+        ids, order = self._ids, self._order
+        for rid in request_ids:
+            if rid in ids:
+                continue
+            ids.add(rid)
+            order.append(rid)
+            if len(order) > self.capacity:
+                ids.discard(order.popleft())
+
+    def overtaken(self, request_id: str) -> bool:
+        """Whether an add for ``request_id`` comes after its abort (it is then counted, and dropped
+        by the caller)."""
+        if request_id in self._ids:
+            self.dropped += 1
+            return True
+        return False
+
+
+async def _input_pump(sock: TrioZmqSocket, on_input: Callable[[EngineInput], None]) -> None:
+    """One per API server: decode each frame and hand it over; a bad frame is logged and dropped, and
+    so is an add whose abort came first (``RecentAborts``)."""
+    codec = engine_input_codec()
+    aborts = RecentAborts()
+    while True:
+        frames = await sock.recv_multipart()
+        try:
+            msg = codec.decode(frames[-1])
+        except ProtocolError as exc:
+            log.warning("dropping frame: %s", exc)
+            continue
+        match msg:
+            case AbortRequests(request_ids=ids):
+                aborts.remember(ids)
+            case AddRequest(request_id=rid) if aborts.overtaken(rid):
+                log.warning("dropping request %s: its abort arrived first", rid)
+                continue
+        on_input(msg)

@@ -1,8 +1,9 @@
-"""What runs the model behind an engine core, and a deterministic reference implementation.
+"""What runs the model behind the scheduler's engine core (``engine/scheduler_core.py``), and a
+deterministic reference implementation.
 
-The engine core only needs ``execute``: compute one ``SchedulerOutput`` and return the sampled token
-ids of the requests whose chunk ``samples``. The worker issue provides the executor that drives worker
-processes over shared memory; ``ReferenceExecutor`` is an in-process stand-in with exact, checkable
+The core only needs ``execute``: compute one ``SchedulerOutput`` and return the sampled token ids of
+the requests whose chunk ``samples``. ``engine/worker_executor.py`` drives worker processes over
+shared memory; ``ReferenceExecutor`` is an in-process stand-in with exact, checkable
 behaviour: it keeps a simulated paged KV cache (token ids in block slots) addressed by the block tables
 the scheduler hands out, and its "model" picks the next token as a hash of the whole sequence it reads
 back through those tables. A wrong block table, a lost prefix-cache block or a bad resume after
@@ -16,7 +17,7 @@ from typing import Protocol
 
 import trio
 
-from trioserve.engine.scheduler import SchedulerOutput
+from trioserve.protocol.step import SchedulerOutput
 
 
 class ExecutorFailed(Exception):

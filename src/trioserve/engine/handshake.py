@@ -15,7 +15,7 @@ import trio
 import zmq
 
 from trioserve.protocol.codec import ProtocolError, handshake_codec
-from trioserve.protocol.messages import PROTOCOL_VERSION, EngineHello, EngineReady, Welcome
+from trioserve.protocol.messages import PROTOCOL_VERSION, EngineHello, EngineReady, Welcome, engine_identity
 from trioserve.transport.zmq_socket import TrioZmqSocket
 
 
@@ -27,10 +27,6 @@ class EngineSockets:
     def close(self) -> None:
         for sock in (*self.inputs, *self.outputs):
             sock.close()
-
-
-def engine_identity(engine_index: int) -> bytes:
-    return engine_index.to_bytes(2, "little")
 
 
 async def join_frontends(

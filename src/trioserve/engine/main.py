@@ -1,55 +1,136 @@
-"""``trioserve engine-core``: an engine-core process that joins an API server at its handshake address.
+"""``trioserve engine-core`` (and its ``mock-engine`` alias): an engine-core process that joins the API
+servers at its handshake address and runs the core its configuration names (``engine.kind``):
 
-With ``--model`` it runs the model on a worker process (engine/worker_executor.py) and sizes its KV
-ledger from the blocks the worker allocated; without, it runs the deterministic reference executor.
+- ``model``: the scheduler and KV ledger, with a worker process running the model
+  (``engine/worker_executor.py``); the ledger gets exactly the KV blocks the worker allocated;
+- ``reference``: the scheduler and KV ledger with the deterministic in-process reference executor,
+  ``--num-gpu-blocks-override`` blocks (4096 when 0);
+- ``mock``: the mock core (``mock/core.py``).
+
+All three run in the one engine-core shell (``engine/core.py``). ``serve`` starts this process with its
+part of the configuration tree as one value (``EngineProcessConfig``); by hand it is built from flags
+(``cli.py``). Exit code 0 after ``ShutdownEngine``, a SIGINT/SIGTERM or the parent's death; 1 when the
+core failed (a worker died, hung or raised; the API servers were told why); 2 for a configuration that
+names no engine core this process can run.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
+from collections.abc import Awaitable, Callable
 
 import trio
 import zmq
 
-from trioserve.engine.core import EngineCore, EngineCoreConfig
+from trioserve.config import EngineProcessConfig
+from trioserve.engine.core import EngineCore
 from trioserve.engine.executor import ExecutorFailed, ReferenceExecutor
-from trioserve.engine.shell import run_engine_process
+from trioserve.engine.scheduler import SchedulerConfig
+from trioserve.engine.scheduler_core import SchedulerCore
 from trioserve.engine.worker_executor import WorkerExecutorConfig, open_worker_executor
-from trioserve.launch.process import set_title, setup_logging
+from trioserve.mock.core import MockCore
+from trioserve.runtime.process import exit_on_signals, exit_when_parent_dies, set_title, setup_logging
 
 log = logging.getLogger("trioserve.engine")
 
+REFERENCE_NUM_BLOCKS = 4096  # the reference executor's KV pool without --num-gpu-blocks-override
 
-async def _main(config: EngineCoreConfig, worker: WorkerExecutorConfig | None, step_time: float) -> None:
-    async def engine(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
-        if worker is None:
-            sched = config.scheduler
-            executor = ReferenceExecutor(sched.num_blocks, sched.block_size, config.vocab_size, step_time)
-            await EngineCore(config, executor, ctx).run()
-            return
-        async with open_worker_executor(worker) as workers:
-            scheduler = dataclasses.replace(config.scheduler, num_blocks=workers.ready.num_blocks)
-            core_config = dataclasses.replace(
-                config, scheduler=scheduler, kind="model", step_timeout=worker.step_timeout
+
+def scheduler_config(config: EngineProcessConfig, num_blocks: int) -> SchedulerConfig:
+    """The one place the configuration tree becomes the scheduler's own ``SchedulerConfig``;
+    ``num_blocks`` is the KV pool (the worker's allocation, or the reference executor's)."""
+    engine = config.engine
+    return SchedulerConfig(
+        max_num_seqs=engine.max_num_seqs,
+        max_num_batched_tokens=engine.max_num_batched_tokens,
+        max_model_len=config.model.max_model_len,
+        num_blocks=num_blocks,
+        block_size=engine.block_size,
+        policy=engine.scheduling_policy,
+    )
+
+
+def mock_core(config: EngineProcessConfig) -> MockCore:
+    """The mock core the tree describes, on the engine's (trio's) clock."""
+    return MockCore.from_config(
+        config.model,
+        config.engine,
+        config.mock,
+        current_time=trio.current_time,
+        sleep_until=trio.sleep_until,
+    )
+
+
+async def run_engine(config: EngineProcessConfig, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    """The engine core ``config`` names, from joining to its end (``EngineCore.run``)."""
+    engine, model = config.engine, config.model
+    match engine.kind:
+        case "mock":
+            await EngineCore(engine, mock_core(config), ctx).run()
+        case "reference":
+            sched = scheduler_config(config, engine.num_gpu_blocks_override or REFERENCE_NUM_BLOCKS)
+            executor = ReferenceExecutor(
+                sched.num_blocks, sched.block_size, model.vocab_size, engine.step_time_us / 1e6
             )
-            await EngineCore(core_config, workers, ctx).run()
+            core = SchedulerCore(sched, executor, vocab_size=model.vocab_size, kind="reference")
+            await EngineCore(engine, core, ctx).run()
+        case "model":
+            worker = WorkerExecutorConfig.from_config(config)
+            async with open_worker_executor(worker) as workers:
+                sched = scheduler_config(config, workers.ready.num_blocks)
+                core = SchedulerCore(sched, workers, vocab_size=model.vocab_size, kind="model")
+                await EngineCore(engine, core, ctx, step_timeout=worker.step_timeout).run()
+        case _:
+            raise ValueError(f"no engine core of kind {engine.kind!r}")
 
-    await run_engine_process(engine)
+
+async def _main(config: EngineProcessConfig) -> None:
+    """The process's top level: the engine with a fresh ZMQ context, until it returns, a SIGINT or
+    SIGTERM arrives, or the API server that started us is gone."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        async with trio.open_nursery() as nursery:
+
+            async def cancel_when_done(waiter: Callable[[], Awaitable[None]]) -> None:
+                await waiter()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(cancel_when_done, exit_on_signals)
+            nursery.start_soon(cancel_when_done, exit_when_parent_dies)
+            await run_engine(config, ctx)
+            nursery.cancel_scope.cancel()
+    finally:
+        ctx.destroy(linger=0)
 
 
-def run_engine_core(
-    config: EngineCoreConfig, worker: WorkerExecutorConfig | None, step_time: float, log_level: str
-) -> int:
-    set_title("EngineCore" if config.engine_index == 0 else f"EngineCore_DP{config.engine_index}")
-    setup_logging(log_level)
+def _config_error(config: EngineProcessConfig) -> str | None:
+    engine = config.engine
+    if engine.kind not in ("model", "reference", "mock"):
+        return f"an engine-core process runs --engine model, reference or mock, not {engine.kind!r}"
+    if not engine.handshake_address:
+        return "an engine core needs --handshake-address"
+    if engine.kind == "model" and config.model.model is None:
+        return "--engine model needs a model folder"
+    return None
+
+
+def run_engine_core(config: EngineProcessConfig) -> int:
+    """The engine-core process's main (``python -m trioserve engine-core``): title, logging, then
+    the engine until it ends; returns the exit code (the module docstring says which)."""
+    index = config.engine.engine_index
+    set_title("EngineCore" if index == 0 else f"EngineCore_DP{index}")
+    setup_logging(config.log_level)
+    error = _config_error(config)
+    if error is not None:
+        log.error("%s", error)
+        return 2
     failed = False
     try:
-        trio.run(_main, config, worker, step_time)
+        trio.run(_main, config)
     except* ExecutorFailed as group:
         failed = True
-        for error in _leaves(group):
-            log.error("engine core stopped: %s", error)  # noqa: TRY400  (the reason says it all)
+        for exc in _leaves(group):
+            log.error("engine core stopped: %s", exc)  # noqa: TRY400  (the reason says it all)
     return 1 if failed else 0
 
 

@@ -31,7 +31,7 @@ import trio
 from trioserve.protocol.codec import engine_output_codec
 from trioserve.protocol.fold import fold_outputs
 from trioserve.protocol.messages import HEARTBEAT_INTERVAL, EngineDead, EngineOutputs
-from trioserve.sync import Waker
+from trioserve.runtime.sync import Waker
 from trioserve.transport.zmq_socket import TrioZmqSocket
 
 OutputPolicy = Literal["fold", "block"]

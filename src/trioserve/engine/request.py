@@ -104,24 +104,8 @@ class Request:
         return len(self.all_token_ids)
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status in _FINISH_REASONS
-
-    @property
     def finish_reason(self) -> FinishReason | None:
         return _FINISH_REASONS.get(self.status)
-
-    def max_final_tokens(self, max_model_len: int) -> int:
-        """The most tokens (prompt + output) this request can ever reach."""
-        return min(self.num_prompt_tokens + self.sampling.max_tokens, max_model_len)
 
     def append_output_token(self, token_id: int, max_model_len: int) -> bool:
         """Append a sampled token, then apply the stop rules; True if the request just finished.

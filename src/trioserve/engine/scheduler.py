@@ -1,11 +1,11 @@
 """The scheduler: which tokens of which requests the next forward pass computes (design §7).
 
-Pure: imports no trio, zmq or torch and reads no clock; the engine core's busy loop drives it with two
-verbs and passes the time in:
+Pure: imports no trio, zmq or torch and reads no clock; the engine core (``engine/scheduler_core.py``)
+drives it with two verbs and passes the time in:
 
-    output = scheduler.schedule(now)                    # -> SchedulerOutput, for the model runner
-    sampled = <run the model on output>                 # {request_id: [token ids sampled this step]}
-    per_client = scheduler.update_from_output(output, sampled, now)   # -> {client_index: [RequestOutput]}
+    output = scheduler.schedule(now)                     # -> SchedulerOutput, for the model runner
+    sampled = <run the model on output>                  # {request_id: [token ids sampled this step]}
+    per_client = scheduler.update_from_output(output, sampled)  # -> {client_index: [RequestOutput]}
 
 It schedules tokens, not phases. Every request has ``num_computed_tokens``; a step is
 ``{request_id: num_new_tokens}``. A new prompt is split into chunks under ``max_num_batched_tokens``
@@ -29,13 +29,8 @@ Each step:
 A request that could never fit the ledger alone (more blocks than exist, for its longest possible
 sequence) is rejected when it is added, with an error output, instead of starving the queue behind it.
 
-Block-table format in ``SchedulerOutput``: a request scheduled for the first time (or the first time
-since it was preempted, when the runner has dropped it) comes in ``new_requests`` with its whole block
-table and its sampling params; a request the runner already knows comes in ``running_requests`` with
-only the block ids appended this step (the runner keeps each table and extends it). Both carry the exact
-token ids to compute this step and the position of the first one (``num_computed_tokens``).
-
-The structs are msgspec Structs so the busy loop can put a step on the shared-memory ring as is.
+The step structs and their block-table format live in ``protocol/step.py``: they cross to the worker
+processes as they are.
 """
 
 from __future__ import annotations
@@ -45,11 +40,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-import msgspec
-
 from trioserve.engine.kv_ledger import KVLedger
 from trioserve.engine.request import Request, RequestStatus
-from trioserve.protocol.messages import AddRequest, EngineStats, RequestOutput, SamplingParams
+from trioserve.protocol.messages import AddRequest, EngineStats, RequestOutput
+from trioserve.protocol.step import NewRequestData, RunningRequestData, SchedulerOutput
 
 SchedulingPolicy = Literal["fcfs", "priority"]
 
@@ -72,51 +66,6 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {self.policy!r}")
-
-
-# --------------------------------------------------------------------------------------------------
-# What the model runner gets each step.
-# --------------------------------------------------------------------------------------------------
-
-
-class NewRequestData(msgspec.Struct, array_like=True, gc=False):
-    """A request the runner does not know yet (first scheduling, or resumed after preemption)."""
-
-    request_id: str
-    token_ids: list[int]  # the tokens to compute this step, at positions num_computed_tokens, +1, ...
-    num_computed_tokens: int  # tokens whose KV is already in the blocks (a prefix-cache hit)
-    block_ids: list[int]  # the whole block table
-    sampling: SamplingParams
-    samples: bool  # this chunk reaches the last known token: the step's sample is the next output
-    # For the sampler: where the outputs start (output index = position of the sampled token minus
-    # this, stable across preemption, which keeps seeded sampling reproducible) and the EOS that
-    # min_tokens suppresses.
-    num_prompt_tokens: int = 0
-    eos_token_id: int | None = None
-
-
-class RunningRequestData(msgspec.Struct, array_like=True, gc=False):
-    """A request the runner already holds (it keeps its block table and sampling params)."""
-
-    request_id: str
-    token_ids: list[int]  # the tokens to compute this step (one, the last sampled, when decoding)
-    num_computed_tokens: int
-    new_block_ids: list[int]  # appended to the runner's block table for this request
-    samples: bool
-
-
-class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):
-    step: int
-    new_requests: list[NewRequestData]
-    running_requests: list[RunningRequestData]
-    num_scheduled_tokens: dict[str, int]  # request_id -> tokens computed this step
-    total_num_scheduled_tokens: int
-    preempted_request_ids: list[str]  # dropped by the runner: they will come back as new requests
-    finished_request_ids: list[str]  # finished or aborted since the last step: the runner forgets them
-
-    @property
-    def is_empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0
 
 
 # --------------------------------------------------------------------------------------------------
@@ -373,15 +322,14 @@ class Scheduler:
     # ---------------------------------------------------------------------------- update_from_output
 
     def update_from_output(
-        self, scheduler_output: SchedulerOutput, sampled: dict[str, list[int]], now: float
+        self, scheduler_output: SchedulerOutput, sampled: dict[str, list[int]]
     ) -> dict[int, list[RequestOutput]]:
         """Advance the scheduled requests by the step's results; return outputs per client index.
 
         ``sampled`` needs an entry for every scheduled request whose chunk ``samples`` (other entries
         are ignored: a partial prefill chunk's sample is meaningless); its lists become the outputs'
         ``new_token_ids``, so the caller must not reuse them. Requests aborted while the step ran are
-        skipped. ``now`` is the step's end; no event needs it yet (kept so the engine core's call does
-        not change when one does).
+        skipped.
         """
         cfg = self.config
         ledger = self.ledger

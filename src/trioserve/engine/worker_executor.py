@@ -10,9 +10,11 @@ How a failure is seen:
   the engine is idle;
 - the worker hangs: a step that takes longer than ``step_timeout`` seconds.
 
-``open_worker_executor`` is an async context manager: it yields once every worker has loaded the model
-(so the engine core can size its KV ledger from what the worker allocated) and on exit shuts the workers
-down (``WorkerShutdown``, then SIGTERM, then SIGKILL) and closes the rings, leaving nothing behind.
+``open_worker_executor`` is an async context manager: it starts each worker with one ``WorkerLaunch``
+value (``python -m trioserve worker --launch JSON``), yields once every worker has loaded the model (so
+the engine core can size its KV ledger from what the worker allocated) and on exit shuts the workers
+down (``WorkerShutdown``, then ``runtime.reaper``: SIGTERM, then SIGKILL) and closes the rings, leaving
+nothing behind.
 
 The rings' names leave ``/dev/shm`` as soon as the worker has attached both (``unlink_when_attached``,
 the ring's rule 5), long before the model is loaded: from then on a SIGKILL of the worker, of this
@@ -31,18 +33,22 @@ from dataclasses import dataclass
 import msgspec
 import trio
 
+from trioserve.config import EngineProcessConfig, WorkerConfig
 from trioserve.engine.executor import ExecutorFailed
-from trioserve.engine.scheduler import SchedulerOutput
 from trioserve.protocol.codec import ProtocolError
+from trioserve.protocol.ring_layout import RingHandle
+from trioserve.protocol.step import SchedulerOutput
 from trioserve.protocol.worker_messages import (
     StepResult,
     WorkerFailed,
+    WorkerLaunch,
     WorkerOutput,
     WorkerReady,
     WorkerShutdown,
     WorkerStep,
     worker_output_codec,
 )
+from trioserve.runtime.reaper import reap
 from trioserve.transport.shm_ring import (
     MessageTooLarge,
     ReaderDied,
@@ -58,18 +64,48 @@ log = logging.getLogger("trioserve.engine")
 
 @dataclass(frozen=True, slots=True)
 class WorkerExecutorConfig:
-    model: str
+    model: str  # the Hugging Face folder the worker loads
+    worker: WorkerConfig  # the config tree's worker section, passed on whole in ``WorkerLaunch``
     block_size: int
-    num_blocks: int  # 0: as many as kv_cache_bytes holds
-    kv_cache_bytes: int
-    device: str = "auto"
-    dtype: str = "auto"
-    num_threads: int = 0
-    step_timeout: float = 300.0  # a worker that takes longer on one step is declared hung
-    ready_timeout: float = 300.0  # loading the model
+    num_blocks: int  # 0: as many as the worker's KV-cache memory holds
     step_slot_bytes: int = 4 << 20  # one SchedulerOutput, encoded, must fit
     result_slot_bytes: int = 1 << 20
+    ready_timeout: float = 300.0  # loading the model
     log_level: str = "info"
+
+    @classmethod
+    def from_config(cls, config: EngineProcessConfig) -> WorkerExecutorConfig:
+        """The one place an engine-core process's configuration becomes its worker's."""
+        model, engine = config.model, config.engine
+        if model.model is None:
+            raise ValueError("--engine model needs a model folder (the launcher resolves the default)")
+        return cls(
+            model=model.model,
+            worker=config.worker,
+            block_size=engine.block_size,
+            num_blocks=engine.num_gpu_blocks_override,
+            step_slot_bytes=step_slot_bytes(
+                engine.max_num_batched_tokens, engine.max_num_seqs, model.max_model_len, engine.block_size
+            ),
+            log_level=config.log_level,
+        )
+
+    @property
+    def step_timeout(self) -> float:
+        """A worker that takes longer on one step is declared hung."""
+        return self.worker.worker_step_timeout
+
+    def launch(self, steps_ring: RingHandle, results_ring: RingHandle, rank: int = 0) -> WorkerLaunch:
+        return WorkerLaunch(
+            model=self.model,
+            worker=self.worker,
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            steps_ring=steps_ring,
+            results_ring=results_ring,
+            rank=rank,
+            log_level=self.log_level,
+        )
 
 
 def step_slot_bytes(
@@ -160,23 +196,8 @@ def _exit_text(code: int | None) -> str:
     return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
 
 
-def worker_command(config: WorkerExecutorConfig, steps_handle: str, results_handle: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "trioserve",
-        "worker",
-        f"--model={config.model}",
-        f"--steps-ring={steps_handle}",
-        f"--results-ring={results_handle}",
-        f"--block-size={config.block_size}",
-        f"--num-blocks={config.num_blocks}",
-        f"--kv-cache-bytes={config.kv_cache_bytes}",
-        f"--device={config.device}",
-        f"--dtype={config.dtype}",
-        f"--num-threads={config.num_threads}",
-        f"--log-level={config.log_level}",
-    ]
+def worker_command(launch: WorkerLaunch) -> list[str]:
+    return [sys.executable, "-m", "trioserve", "worker", "--launch", launch.to_json()]
 
 
 @asynccontextmanager
@@ -192,7 +213,7 @@ async def open_worker_executor(config: WorkerExecutorConfig) -> AsyncIterator[Wo
         steps, results = step_ring.writer(), result_ring.reader(0)
         with step_ring.handoff_reader(0) as steps_end, result_ring.handoff_writer() as results_end:
             proc = await trio.lowlevel.open_process(
-                worker_command(config, steps_end.to_json(), results_end.to_json()),
+                worker_command(config.launch(steps_end, results_end)),
                 stdin=subprocess.DEVNULL,
                 pass_fds=(*steps_end.fds, *results_end.fds),
             )
@@ -214,10 +235,13 @@ async def open_worker_executor(config: WorkerExecutorConfig) -> AsyncIterator[Wo
                     await executor.shutdown()
                     nursery.cancel_scope.cancel()
         finally:
-            # Only a worker that was told to stop (WorkerShutdown) gets a grace period: one that failed
-            # (hung, say) would only wait it out, and one still loading the model (we were cancelled,
-            # or it failed to load) was told nothing and has nothing to finish.
-            await _reap(proc, grace=5.0 if executor is not None and executor.failure is None else 0.0)
+            # Only a worker that was told to stop (WorkerShutdown) gets a grace period and SIGTERM: one
+            # that failed (hung, say) would only wait them out, and one still loading the model (we
+            # were cancelled, or it failed to load) was told nothing and has nothing to finish.
+            if executor is not None and executor.failure is None:
+                await reap(proc, grace=5.0)
+            else:
+                await reap(proc, term_grace=None)
 
 
 async def _wait_ready(config: WorkerExecutorConfig, results: RingReader, proc: trio.Process) -> WorkerReady:
@@ -238,20 +262,3 @@ async def _wait_ready(config: WorkerExecutorConfig, results: RingReader, proc: t
             raise ExecutorFailed(message.error)
         raise ExecutorFailed(f"worker 0 started with {message!r}")
     raise ExecutorFailed(f"worker 0 did not load {config.model} within {config.ready_timeout:g} s")
-
-
-async def _reap(proc: trio.Process, grace: float) -> None:
-    """Waits ``grace`` seconds for a worker told to stop, then SIGTERM (3 s), then SIGKILL: no process is
-    left behind. Without grace it goes straight to SIGKILL (a stopped or hung process ignores SIGTERM)."""
-    steps = ((None, grace), (proc.terminate, 3.0)) if grace else ()
-    with trio.CancelScope(shield=True):
-        for signal_it, wait in steps:
-            if signal_it is not None:
-                signal_it()
-            with trio.move_on_after(wait):
-                await proc.wait()
-            if proc.returncode is not None:
-                return
-        if proc.returncode is None:
-            proc.kill()
-        await proc.wait()

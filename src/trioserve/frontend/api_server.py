@@ -15,17 +15,15 @@ from dataclasses import dataclass
 import trio
 import zmq
 
-from trioserve.config import ServeConfig
-from trioserve.frontend.app import create_app
-from trioserve.frontend.asgi_host import AsgiHost
+from trioserve.config import FrontendConfig, ModelConfig
+from trioserve.frontend.edge.app import create_app
+from trioserve.frontend.edge.asgi_host import AsgiHost
+from trioserve.frontend.edge.http_server import HttpServer
+from trioserve.frontend.edge.ws_server import websocket_upgrade
 from trioserve.frontend.engine_client import EngineClient
-from trioserve.frontend.http_server import HttpServer
-from trioserve.frontend.http_sink import HttpSink
-from trioserve.frontend.output_handler import OutputHandler, StampedStepQueue
-from trioserve.frontend.responses import StreamingResponse
+from trioserve.frontend.output.output_handler import OutputHandler, StampedStepQueue
 from trioserve.frontend.serving import Serving
-from trioserve.frontend.tokenizer import Tokenizer
-from trioserve.frontend.ws_server import websocket_upgrade
+from trioserve.frontend.text.tokenizer import Tokenizer
 from trioserve.metrics import Metrics
 
 log = logging.getLogger("trioserve.frontend")
@@ -45,32 +43,44 @@ DRAIN_FLUSH = 1.0  # seconds drain waits, after its deadline, for the error even
 class ApiServer:
     def __init__(
         self,
-        config: ServeConfig,
+        model: ModelConfig,
+        frontend: FrontendConfig,
         tokenizer: Tokenizer,
         ctx: zmq.Context[zmq.Socket[bytes]],
         addresses: EngineAddresses,
+        *,
+        engine_output_hwm: int,
+        engine_ready_timeout: float,
     ) -> None:
-        self.config = config
+        """``engine_output_hwm``: the receiving end of the engines' output sockets (their section's
+        setting, as both ends of a ZMQ pair set it); ``engine_ready_timeout``: how long ``run`` waits
+        for the first engine."""
+        self.engine_ready_timeout = engine_ready_timeout
+        self.frontend = frontend
         self.engine = EngineClient(
             ctx,
             handshake_address=addresses.handshake,
             input_address=addresses.input,
             output_address=addresses.output,
-            output_hwm=config.engine_output_hwm,
+            output_hwm=engine_output_hwm,
         )
-        self.steps = StampedStepQueue(config.output_queue_size, config.output_queue_policy)
-        self.metrics = Metrics(config.model_names[0])
+        streams = frontend.streams
+        self.steps = StampedStepQueue(streams.output_queue_size, streams.output_queue_policy)
+        self.metrics = Metrics(model.model_names[0])
         self.handler = OutputHandler(self.engine.abort, self.metrics)
-        self.serving = Serving(config, tokenizer, self.engine, self.handler)
+        self.serving = Serving(
+            model, frontend.request, frontend.admission, streams, tokenizer, self.engine, self.handler
+        )
         self.engine.on_joined = lambda ready: self.serving.on_engine_ready()  # a restarted engine too
         self.engine_restarts = 0  # counted by the engine supervisor (launch/engine_supervisor.py)
-        self.asgi = AsgiHost(create_app(self.serving, self.metrics_text))
+        http = frontend.http
+        self.asgi = AsgiHost(create_app(self.serving, self.metrics_text, http.max_request_body_bytes))
         self.http = HttpServer(
             self.serving,
             self.asgi,
-            config.max_request_body_bytes,
-            upgrade=websocket_upgrade(self.serving),
-            max_connections=config.max_connections,
+            http.max_request_body_bytes,
+            upgrade=websocket_upgrade(self.serving, http.max_request_body_bytes),
+            max_connections=http.max_connections,
         )
 
     async def run(
@@ -81,7 +91,7 @@ class ApiServer:
     ) -> None:
         """Start every task; ``started`` once engines are ready and the listener (if any) accepts."""
         async with trio.open_nursery() as nursery:
-            with trio.fail_after(self.config.engine_ready_timeout):
+            with trio.fail_after(self.engine_ready_timeout):
                 await nursery.start(self.engine.run, self.steps, self.serving.on_engine_dead)
             nursery.start_soon(self.handler.run, self.steps)
             if self.serving.renderer is not None:
@@ -125,13 +135,10 @@ class ApiServer:
         backlogged = merging = 0
         bytes_sum = bytes_max = tokens_sum = tokens_max = 0
         for response in self.serving.active:
-            if not isinstance(response, StreamingResponse):
-                continue
-            sink = response.sink
-            if sink.backlogged:
+            if response.backlogged:  # each response's own gauges (a full response's are all 0)
                 backlogged += 1
                 # WebSocket sinks share their socket's writer; its bytes are not counted here.
-                size = sink.backlog_bytes if isinstance(sink, HttpSink) else 0
+                size = response.backlog_bytes
                 bytes_sum += size
                 bytes_max = max(bytes_max, size)
             tokens = response.merged_tokens
@@ -167,6 +174,7 @@ class ApiServer:
     def metrics_text(self) -> str:
         stats = self.handler.engine_stats.values()
         admission = self.serving.admission
+        renderer = self.serving.renderer
         output_delay = self.handler.output_delay()
         admission.observe_output_delay(output_delay)  # the gate as of now, not of the last request
         gauges = {
@@ -189,6 +197,10 @@ class ApiServer:
             ),
             "trioserve:pending_renders": ("Requests waiting for or in the renderer.", admission.rendering),
             "trioserve:output_queue_depth": ("Engine steps queued for the output handler.", self.steps.depth),
+            "trioserve:output_queue_depth_max": (
+                "The most engine steps ever queued for the output handler at once (since start).",
+                self.steps.max_depth,
+            ),
             "trioserve:engine_send_queue_depth": ("Requests queued for the engine.", self.engine.queued_adds),
             "trioserve:event_loop_lag_current_seconds": ("Latest loop-lag sample.", admission.loop_lag),
             "trioserve:output_delay_current_seconds": (
@@ -221,6 +233,14 @@ class ApiServer:
             "trioserve:output_queue_coalesced_total": (
                 "Engine steps folded into a queued step (output queue full).",
                 self.steps.coalesced,
+            ),
+            "trioserve:renderer_jobs_total": (
+                "Prompts rendered on the renderer threads (0 with --renderer-num-workers 0).",
+                renderer.jobs if renderer is not None else 0,
+            ),
+            "trioserve:renderer_batches_total": (
+                "Hand-overs from the renderer threads to the event loop; jobs / batches is the batching.",
+                renderer.batches if renderer is not None else 0,
             ),
             "trioserve:output_delay_shedding_episodes_total": (
                 "Times engine output came to wait longer than --max-output-delay-ms (shedding began).",

@@ -33,9 +33,8 @@ from collections.abc import Callable
 import trio
 import zmq
 
-from trioserve.engine.handshake import engine_identity
 from trioserve.frontend.engine_health import EngineHealth, Stall
-from trioserve.frontend.step_queue import StepQueue
+from trioserve.frontend.output.step_queue import StepQueue
 from trioserve.protocol.codec import ProtocolError, engine_input_codec, engine_output_codec, handshake_codec
 from trioserve.protocol.messages import (
     HEARTBEAT_INTERVAL,
@@ -49,8 +48,9 @@ from trioserve.protocol.messages import (
     EngineReady,
     ShutdownEngine,
     Welcome,
+    engine_identity,
 )
-from trioserve.sync import Waker
+from trioserve.runtime.sync import Waker
 from trioserve.transport.zmq_socket import TrioZmqSocket
 
 log = logging.getLogger("trioserve.frontend")

@@ -12,32 +12,31 @@ import itertools
 import logging
 import secrets
 import time
-from dataclasses import replace
 from typing import Any, Literal
 
 import msgspec
 import trio
 
-from trioserve.config import ServeConfig
-from trioserve.frontend.admission import Admission, AdmissionLimits
-from trioserve.frontend.chunks import ChunkEncoder, Kind
+from trioserve.config import AdmissionConfig, ModelConfig, RequestConfig, StreamsConfig
+from trioserve.frontend.edge.sinks import Sink
 from trioserve.frontend.engine_client import EngineClient
-from trioserve.frontend.errors import ApiError
-from trioserve.frontend.openai_schema import ChatCompletionRequest, ChatMessage, CompletionRequest
-from trioserve.frontend.output_handler import ChoiceState, OutputHandler
-from trioserve.frontend.renderer import RendererPool
-from trioserve.frontend.responses import CollectingResponse, Response, StreamingResponse
-from trioserve.frontend.sinks import Sink
-from trioserve.frontend.stop_strings import StopStringMatcher
-from trioserve.frontend.tokenizer import Tokenizer
-from trioserve.frontend.validate import (
+from trioserve.frontend.output.chunks import ChunkEncoder, Kind
+from trioserve.frontend.output.output_handler import ChoiceState, OutputHandler
+from trioserve.frontend.output.responses import CollectingResponse, Response, StreamingResponse
+from trioserve.frontend.request.admission import Admission, Ticket
+from trioserve.frontend.request.errors import ApiError
+from trioserve.frontend.request.openai_schema import ChatCompletionRequest, ChatMessage, CompletionRequest
+from trioserve.frontend.request.renderer import RendererPool
+from trioserve.frontend.request.validate import (
     decode_body,
     output_options,
     refuse_unsupported_in_message,
     sampling_params,
 )
+from trioserve.frontend.text.stop_strings import StopStringMatcher
+from trioserve.frontend.text.tokenizer import Tokenizer
 from trioserve.protocol.messages import AddRequest
-from trioserve.sync import Waker
+from trioserve.runtime.sync import Waker
 
 log = logging.getLogger("trioserve.frontend")
 
@@ -82,12 +81,16 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 class Serving:
     def __init__(
         self,
-        config: ServeConfig,
+        model: ModelConfig,
+        request: RequestConfig,
+        admission: AdmissionConfig,
+        streams: StreamsConfig,
         tokenizer: Tokenizer,
         engine: EngineClient,
         handler: OutputHandler,
     ) -> None:
-        self.config = config
+        self.model = model  # what is served: names and the context length
+        self.request = request
         self.tokenizer = tokenizer
         self.engine = engine
         self.handler = handler
@@ -96,19 +99,10 @@ class Serving:
         self.draining = False  # shutting down: /health 503, new requests 503
         # 0 workers: render on the event loop itself (no thread handoff, but a long prompt holds up
         # every stream while it renders; deterministic under a MockClock).
-        self.renderer = RendererPool(config.renderer_num_workers) if config.renderer_num_workers else None
-        self.stream_policy = replace(
-            config.stream_policy, slow_client_max_tokens=config.slow_client_max_tokens
-        )
-        self.admission = Admission(
-            AdmissionLimits(
-                max_concurrent_requests=config.max_concurrent_requests,
-                max_pending_renders=config.max_pending_renders,
-                max_num_seqs_waiting=config.max_num_seqs_waiting,
-                max_loop_lag=config.max_loop_lag_ms / 1e3,
-                max_output_delay=config.max_output_delay_ms / 1e3,
-            )
-        )
+        workers = request.renderer_num_workers
+        self.renderer = RendererPool(workers) if workers else None
+        self.stream_policy = streams.policy
+        self.admission = Admission(admission)
         self.active: set[Response] = set()
         # Response ids: a random per-process part and a counter (unique without a uuid4 per request).
         self._id_base = secrets.token_hex(8)
@@ -164,14 +158,14 @@ class Serving:
         ticket = admission.admit()  # reserved before rendering ...
         try:
             with admission.rendering_slot():
-                response = await self._prepare(kind, body, sink, arrival)
+                response = await self._prepare(kind, body, sink, arrival, ticket)
             if self.draining:  # drain began while it rendered: it would outlive drain's deadline
                 raise ApiError(503, "the server is shutting down", retry_after=1)
         except BaseException:
             ticket.release()  # ... and released on every path that does not produce a response
             self._finished.set()
             raise
-        response.ticket = ticket  # from here on, the response releases it when it leaves ``active``
+        # From here on, the response releases the ticket when it leaves ``active``.
         self.handler.metrics.prompt_tokens += len(response.prompt_token_ids)
         self.active.add(response)
         try:
@@ -181,18 +175,18 @@ class Serving:
             raise
         return response
 
-    async def _prepare(self, kind: Kind, body: bytes, sink: Sink, arrival: float) -> Response:
+    async def _prepare(self, kind: Kind, body: bytes, sink: Sink, arrival: float, ticket: Ticket) -> Response:
         """Decode, validate and render; everything that can refuse the request happens here."""
         req: ChatCompletionRequest | CompletionRequest
         if kind == "chat":
             req = decode_body(body, ChatCompletionRequest)
-            options = output_options(req, self.config)
+            options = output_options(req, self.model, self.request)
             prompt_ids: list[int] = await self.render(self._chat_prompt, req)
         else:
             req = decode_body(body, CompletionRequest)
-            options = output_options(req, self.config)
+            options = output_options(req, self.model, self.request)
             prompt_ids = await self.render(self._completion_prompt, req)
-        params = sampling_params(req, self.config, len(prompt_ids))
+        params = sampling_params(req, self.model, len(prompt_ids))
         if self.dead_reason is not None:  # the engine may have gone while we rendered
             raise self.engine_unavailable()
 
@@ -202,19 +196,16 @@ class Serving:
         encoder = ChunkEncoder(
             kind, response_id, int(arrival), options.model, options.return_token_ids, continuous
         )
-        cls = StreamingResponse if options.stream else CollectingResponse
-        response = cls(sink, encoder, options, prompt_ids, self._on_done)
-        response.params, response.priority = params, req.priority
-        if isinstance(response, StreamingResponse):
-            response.policy = self.stream_policy
-            if self.stream_policy.kind == "stall":
-                response.stalled = self.handler.stalled
-        return response
+        built = (sink, encoder, options, prompt_ids, params, req.priority, ticket, self._on_done)
+        if not options.stream:
+            return CollectingResponse(*built)
+        policy = self.stream_policy
+        stalled = self.handler.stalled if policy.kind == "stall" else None
+        return StreamingResponse(*built, policy=policy, stalled=stalled)
 
     def _submit(self, response: Response, arrival: float) -> None:
         """Register every choice with the output handler and queue it for the engine."""
         options, params, prompt_ids = response.options, response.params, response.prompt_token_ids
-        assert params is not None
         eos = self.tokenizer.eos_token_id
         extra_eos = self.tokenizer.extra_eos_ids
         if extra_eos and not params.ignore_eos:

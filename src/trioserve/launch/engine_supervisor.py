@@ -36,6 +36,7 @@ from typing import Literal, Protocol
 import trio
 
 from trioserve.frontend.engine_health import Stall
+from trioserve.runtime.reaper import reap
 
 log = logging.getLogger("trioserve")
 
@@ -178,7 +179,7 @@ class EngineSupervisor:
             finally:
                 # Cancelled (shutdown): a joined engine was told to stop by the engine client; give it
                 # a moment. One that never joined was told nothing: no point waiting.
-                await stop_process(proc, STOP_GRACE if self.link.joins > joins else 0.0)
+                await reap(proc, grace=STOP_GRACE if self.link.joins > joins else 0.0, term_grace=STOP_GRACE)
             first = False
             if self.stopping:
                 return
@@ -238,7 +239,7 @@ class EngineSupervisor:
                 proc.pid,
                 self.dead_grace,
             )
-            await stop_process(proc, 0.0)
+            await reap(proc, term_grace=STOP_GRACE)
 
     async def _kill_when_silent(self, proc: EngineProcess, timeout: float) -> None:
         """Rule: an engine from which nothing has arrived for ``timeout`` seconds is killed. Its
@@ -257,19 +258,3 @@ class EngineSupervisor:
                 )
                 proc.kill()
                 return
-
-
-async def stop_process(proc: EngineProcess, grace: float) -> None:
-    """Waits ``grace`` seconds for ``proc`` to exit, then SIGTERM (``STOP_GRACE`` s), then SIGKILL;
-    returns once it has exited. Shielded: it runs to the end even when the caller is cancelled."""
-    with trio.CancelScope(shield=True):
-        if proc.returncode is None and grace:
-            with trio.move_on_after(grace):
-                await proc.wait()
-        if proc.returncode is None:
-            proc.terminate()
-            with trio.move_on_after(STOP_GRACE):
-                await proc.wait()
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()

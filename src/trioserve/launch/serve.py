@@ -14,7 +14,6 @@ server to start removes it (launch/ipc_dir.py).
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import logging
 import socket
@@ -25,14 +24,14 @@ from collections.abc import Awaitable, Callable
 import trio
 import zmq
 
-from trioserve.config import ServeConfig
+from trioserve.config import ServeConfig, encode, override
 from trioserve.frontend.api_server import ApiServer, EngineAddresses
-from trioserve.frontend.tokenizer import load_tokenizer
+from trioserve.frontend.text.tokenizer import Tokenizer, load_tokenizer
 from trioserve.launch.engine_supervisor import EngineFailed, EngineStartupError, EngineSupervisor
 from trioserve.launch.ipc_dir import ipc_dir as make_ipc_dir
 from trioserve.launch.ipc_dir import sweep_stale
-from trioserve.launch.process import exit_on_signals, raise_open_file_limit, set_title, setup_logging
-from trioserve.worker.geometry import KVGeometry
+from trioserve.models.geometry import KVGeometry
+from trioserve.runtime.process import exit_on_signals, raise_open_file_limit, set_title, setup_logging
 
 log = logging.getLogger("trioserve")
 
@@ -48,38 +47,24 @@ def open_listener(host: str, port: int, backlog: int = 4096) -> socket.socket:
 
 
 def engine_command(config: ServeConfig, handshake: str) -> list[str]:
-    """The engine process to spawn: the mock engine, or an engine core (with a worker running the
-    model, or with the reference executor)."""
-    common = [
-        f"--handshake-address={handshake}",
-        f"--vocab-size={config.vocab_size}",
-        f"--max-num-seqs={config.max_num_seqs}",
-        f"--max-model-len={config.max_model_len}",
-        f"--output-hwm={config.engine_output_hwm}",
-        f"--output-policy={config.engine_output_policy}",
-        f"--log-level={config.log_level}",
-    ]
-    if config.engine == "mock":
-        specific = [f"--step-interval-us={config.step_interval_us}", f"--seed={config.mock_seed}"]
-        return [sys.executable, "-m", "trioserve", "mock-engine", *common, *specific]
-    if config.engine == "model":
-        assert config.model is not None, "resolve_model() first"
-        common += [
-            f"--model={config.model}",
-            f"--device={config.device}",
-            f"--dtype={config.dtype}",
-            f"--kv-cache-gib={config.kv_cache_gib}",
-            f"--worker-threads={config.worker_threads}",
-            f"--worker-step-timeout={config.worker_step_timeout}",
-        ]
-    specific = [
-        f"--block-size={config.block_size}",
-        f"--num-gpu-blocks-override={config.num_gpu_blocks_override}",
-        f"--max-num-batched-tokens={config.max_num_batched_tokens}",
-        f"--scheduling-policy={config.scheduling_policy}",
-        f"--step-time-us={config.step_time_us}",
-    ]
-    return [sys.executable, "-m", "trioserve", "engine-core", *common, *specific]
+    """The engine-core process to spawn, with its part of the tree as one value."""
+    value = encode(config.engine_process(handshake))
+    return [sys.executable, "-m", "trioserve", "engine-core", f"--config-json={value}"]
+
+
+def api_server(
+    config: ServeConfig, tokenizer: Tokenizer, ctx: zmq.Context[zmq.Socket[bytes]], addresses: EngineAddresses
+) -> ApiServer:
+    """An API server, given its sections of ``config``."""
+    return ApiServer(
+        config.model,
+        config.frontend,
+        tokenizer,
+        ctx,
+        addresses,
+        engine_output_hwm=config.engine.engine_output_hwm,
+        engine_ready_timeout=config.supervisor.engine_ready_timeout,
+    )
 
 
 async def until_stop(supervisor: EngineSupervisor | None) -> None:
@@ -96,20 +81,20 @@ async def until_stop(supervisor: EngineSupervisor | None) -> None:
 
 
 async def serve(config: ServeConfig, listener: socket.socket, ipc_dir: str) -> None:
-    tokenizer = await trio.to_thread.run_sync(load_tokenizer, config.tokenizer or config.model)
+    tokenizer = await trio.to_thread.run_sync(load_tokenizer, config.model.tokenizer or config.model.model)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     addresses = EngineAddresses(
-        handshake=config.handshake_address or f"ipc://{ipc_dir}/handshake",
+        handshake=config.engine.handshake_address or f"ipc://{ipc_dir}/handshake",
         input=f"ipc://{ipc_dir}/input",
         output=f"ipc://{ipc_dir}/output",
     )
-    api = ApiServer(config, tokenizer, ctx, addresses)
+    api = api_server(config, tokenizer, ctx, addresses)
     # Everything built so far (tokenizer tables, modules) lives for the whole process: move it out of
     # the collector's generations so full collections stop re-walking it (vLLM does the same).
     gc.collect()
     gc.freeze()
     supervisor: EngineSupervisor | None = None
-    if config.engine != "external":  # an external engine is its operator's to restart
+    if config.engine.kind != "external":  # an external engine is its operator's to restart
         command = engine_command(config, addresses.handshake)
 
         async def spawn() -> trio.Process:
@@ -126,10 +111,10 @@ async def serve(config: ServeConfig, listener: socket.socket, ipc_dir: str) -> N
             spawn,
             api.engine,
             dead,
-            restart=config.engine_restart,
-            ready_timeout=config.engine_ready_timeout,
+            restart=config.supervisor.engine_restart,
+            ready_timeout=config.supervisor.engine_ready_timeout,
             on_restart=restarted,
-            silence_timeout=config.worker_step_timeout,
+            silence_timeout=config.worker.worker_step_timeout,
         )
     try:
         async with trio.open_nursery() as nursery:
@@ -138,13 +123,16 @@ async def serve(config: ServeConfig, listener: socket.socket, ipc_dir: str) -> N
             await nursery.start(api.run, listener)
             host, port = listener.getsockname()[:2]
             log.info(
-                "trioserve ready on http://%s:%d (model names: %s)", host, port, ", ".join(config.model_names)
+                "trioserve ready on http://%s:%d (model names: %s)",
+                host,
+                port,
+                ", ".join(config.model.model_names),
             )
             await until_stop(supervisor)
             log.info("shutting down: draining %d requests", len(api.serving.active))
             if supervisor is not None:
                 supervisor.stop()
-            await api.drain(config.shutdown_timeout)
+            await api.drain(config.supervisor.shutdown_timeout)
             nursery.cancel_scope.cancel()
     finally:
         ctx.destroy(linger=0)
@@ -155,18 +143,18 @@ async def serve(config: ServeConfig, listener: socket.socket, ipc_dir: str) -> N
 def resolve_model(config: ServeConfig) -> ServeConfig:
     """For ``--engine model``: the model folder (converting the embedded default on first use), the
     model's vocabulary, and ``max_model_len`` capped at what the model's positions allow."""
-    model = config.model
-    names = config.served_model_name
+    model = config.model.model
+    names = config.model.served_model_name
     if model is None:
-        from trioserve.worker.embedded_model import MODEL_NAME, ensure_default_model
+        from trioserve.models.embedded_model import MODEL_NAME, ensure_default_model
 
         model = str(ensure_default_model(progress=log.info))
         names = names or (MODEL_NAME,)
     geometry = KVGeometry.from_model_dir(model)
-    max_len = config.max_model_len
+    max_len = config.model.max_model_len
     if geometry.max_position_embeddings:
         max_len = min(max_len, geometry.max_position_embeddings)
-    return dataclasses.replace(
+    return override(
         config, model=model, served_model_name=names, max_model_len=max_len, vocab_size=geometry.vocab_size
     )
 
@@ -174,7 +162,7 @@ def resolve_model(config: ServeConfig) -> ServeConfig:
 def run_serve(config: ServeConfig) -> int:
     set_title("APIServer")
     setup_logging(config.log_level)
-    if config.engine == "model":
+    if config.engine.kind == "model":
         try:
             config = resolve_model(config)
         except (ValueError, RuntimeError) as exc:
@@ -182,9 +170,10 @@ def run_serve(config: ServeConfig) -> int:
             return 1
     try:
         raise_open_file_limit(log)
-        listener = open_listener(config.host, config.port)
+        http = config.frontend.http
+        listener = open_listener(http.host, http.port)
     except OSError as exc:
-        print(f"trioserve serve: error: cannot listen on {config.host}:{config.port}: {exc}", file=sys.stderr)
+        print(f"trioserve serve: error: cannot listen on {http.host}:{http.port}: {exc}", file=sys.stderr)
         return 1
     for name in sweep_stale():
         log.info("removed %s, the IPC folder of an API server that was killed", name)

@@ -1,17 +1,60 @@
-"""The mock engine's pure core: instant prefill, one random token per running request per step.
+"""The mock engine core (``--engine mock``): instant prefill, one random token per running request per
+step, on a fixed step clock. Seed 000's frontend-stress tool: it produces engine outputs at an exact,
+configurable rate so that the API server's per-token cost can be measured. The engine-core shell
+(``engine/core.py``) runs it like any core (``engine/core_api.py``, which it meets structurally: this
+module imports nothing from the engine): joining, inputs, aborts, heartbeats and sending are the
+shell's.
 
-No I/O and no clock of its own: the Trio shell (``mock.engine``) feeds it requests and aborts and calls
-``step(now)`` on its step clock. This is seed 000's frontend-stress tool: its purpose is to produce
-engine outputs at an exact, configurable rate so the API server's per-token cost can be measured.
+No I/O and no clock of its own: the clock (trio's ``current_time`` and ``sleep_until`` in the engine)
+is given to it, so ``execute`` is the only thing that waits, and only on it.
+
+Timing model (what a GPU would do, minus the GPU): a step starts as soon as there is work and lasts
+``step_interval_us``; its tokens are produced at the end of the step (``update``), for every request
+running by then, including one that arrived during the step (prefill is instant). The clock's rules
+are ``StepClock``'s. An abort is applied the moment the shell hands it over (as it arrives), so one
+that arrives during a step lands before that step's tokens are made: a stop-string abort costs at
+most one step.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from trioserve.protocol.messages import AddRequest, EngineStats, RequestOutput
+from trioserve.config import EngineConfig, MockConfig, ModelConfig
+from trioserve.protocol.messages import AddRequest, EngineReady, EngineStats, RequestOutput
+
+
+class StepClock:
+    """When each mock step ends. Pure: the caller passes its clock.
+
+    Rules (tokio's ``MissedTickBehavior::Delay``, as in seed 000's patch):
+
+    - back-to-back steps follow the clock exactly: each ends ``interval`` after the previous one did,
+      whatever part of the interval the work between them took (no drift from our own work);
+    - a step that starts a whole interval late (the loop was busy) starts at once, and later steps
+      are spaced from there;
+    - after ``rest`` (the core ran out of work) the next step starts when it is asked for: a request
+      that finds the engine idle waits one interval for its first token, not less.
+    """
+
+    __slots__ = ("_last_end", "interval")
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self._last_end = -math.inf
+
+    def next_end(self, now: float) -> float:
+        """A step begins at ``now``: when it ends (and its tokens are made)."""
+        start = self._last_end if now - self._last_end < self.interval else now
+        self._last_end = start + self.interval
+        return self._last_end
+
+    def rest(self) -> None:
+        self._last_end = -math.inf
 
 
 @dataclass(slots=True)
@@ -28,16 +71,59 @@ class MockCore:
     max_num_seqs: int
     max_model_len: int
     seed: int = 0
+    step_interval_us: int = 0  # 0: step as fast as possible (the loop only yields between steps)
+    # The clock ``execute`` waits on (the engine passes trio's); only ``execute`` needs it.
+    current_time: Callable[[], float] | None = None
+    sleep_until: Callable[[float], Awaitable[None]] | None = None
     waiting: deque[_MockRequest] = field(default_factory=deque)
     running: dict[str, _MockRequest] = field(default_factory=dict)
     _rng: random.Random = field(init=False)
+    _clock: StepClock = field(init=False)
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
+        self._clock = StepClock(self.step_interval_us / 1e6)
+
+    @classmethod
+    def from_config(
+        cls,
+        model: ModelConfig,
+        engine: EngineConfig,
+        mock: MockConfig,
+        *,
+        current_time: Callable[[], float],
+        sleep_until: Callable[[float], Awaitable[None]],
+    ) -> MockCore:
+        return cls(
+            vocab_size=model.vocab_size,
+            max_num_seqs=engine.max_num_seqs,
+            max_model_len=model.max_model_len,
+            seed=mock.mock_seed,
+            step_interval_us=mock.step_interval_us,
+            current_time=current_time,
+            sleep_until=sleep_until,
+        )
+
+    def ready(self, engine_index: int, pid: int) -> EngineReady:
+        return EngineReady(
+            engine_index=engine_index,
+            pid=pid,
+            kind="mock",
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            vocab_size=self.vocab_size,
+        )
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def failure(self) -> None:
+        return None  # nothing here can fail
+
+    def wake_on_failure(self, wake: Callable[[], None]) -> None:
+        pass
 
     def add(self, add: AddRequest) -> RequestOutput | None:
         """Queue a request, or return the error output that rejects it at once."""
@@ -63,7 +149,22 @@ class MockCore:
                 # Rare (abort before the first step): a linear scan of the waiting queue is fine.
                 self.waiting = deque(r for r in self.waiting if r.add.request_id != rid)
 
-    def step(self) -> dict[int, list[RequestOutput]]:
+    def schedule(self) -> int | None:
+        """A step when there is work: one token for each request running at its end (at most
+        ``max_num_seqs``); without work the clock rests."""
+        if not self.has_work:
+            self._clock.rest()
+            return None
+        return min(len(self.running) + len(self.waiting), self.max_num_seqs)
+
+    async def execute(self) -> None:
+        """The step's duration on the clock. With no interval the step ends at once, but the wait
+        still yields, so the input pumps run between steps."""
+        if self.current_time is None or self.sleep_until is None:
+            raise RuntimeError("a MockCore runs steps only with a clock (current_time, sleep_until)")
+        await self.sleep_until(self._clock.next_end(self.current_time()))
+
+    def update(self) -> dict[int, list[RequestOutput]]:
         """Admit what fits, then emit one token for every running request (prefill is instant).
 
         Returns the outputs grouped by ``client_index`` (the API server that owns each request).

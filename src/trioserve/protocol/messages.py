@@ -42,6 +42,11 @@ class _Wire(msgspec.Struct, array_like=True, gc=False):
 # --------------------------------------------------------------------------------------------------
 
 
+def engine_identity(engine_index: int) -> bytes:
+    """The ZMQ identity of an engine core's input DEALER: how an API server's ROUTER addresses it."""
+    return engine_index.to_bytes(2, "little")
+
+
 class ClientAddresses(_Wire):
     """One API server's sockets, as an engine must connect to them. Index in the list = client_index."""
 
@@ -98,6 +103,8 @@ class AddRequest(_Wire, tag="add"):
     arrival_time: float  # wall clock (time.time()) when the API server received the request
     client_index: int = 0  # which API server owns this request: outputs go to its PUSH socket
     priority: int = 0
+    # Salts the prompt's block hashes (prefix caching per tenant). No API server sets it yet; it stays:
+    # fields are positional (array_like) and append-only, so removing it would shift eos_token_id.
     cache_salt: str | None = None
     eos_token_id: int | None = None  # the tokenizer's EOS; stops the request unless ignore_eos
 

@@ -1,86 +1,9 @@
-"""A single-writer, many-reader ring of fixed-size slots in shared memory (design §8).
+"""The shared-memory ring's I/O (design §8): the mapping, the endpoints (``RingWriter``, ``RingReader``),
+the doorbell pipes and the waits (blocking, and awaitable in Trio), attaching and unlinking (``ShmRing``).
 
-The engine core puts each step's ``SchedulerOutput`` on one of these for its workers; the same class with
-one reader carries results back from the output rank. Payloads are opaque bytes (the caller encodes
-msgspec frames); the ring adds a sequence number and a length, nothing else.
-
-Segment layout (native byte order, every field naturally aligned, every area on its own 64-byte line)::
-
-    header    magic u64 | num_slots u32 | slot_size u32 | num_readers u32 | writer pid u32
-              | writer state u32 | flags u32 | writer wants u64
-    reader i  ack u64 | wants u64 | pid u32 | state u32
-    slot k    seq u64 | length u32 | pad u32 | payload[slot_size]           (stride rounded up to 64)
-
-Rules:
-
-1. Message ``n`` (1, 2, 3, ...) lives in slot ``(n - 1) % num_slots``; a slot's ``seq`` is the number of
-   the message in it, 0 before its first use.
-2. Every word has exactly one writing endpoint: the geometry is written by the creator before anyone
-   attaches, the slots and the writer fields by the writer, reader ``i``'s line by reader ``i`` (the
-   creator's ``close()`` also marks endpoints that never attached GONE). No word is read-modified-written
-   by two processes, so no lock is needed.
-3. Reader ``i``'s ``ack`` is the number of the last message it has copied out. The writer publishes
-   message ``n`` only when ``n - ack_i <= num_slots`` for every live reader (attached, or pending: not
-   attached yet), so a slot is never overwritten while a live reader may still read it; when the ring is
-   full the writer waits. A reader that closed (state GONE) stops holding the writer back.
-4. A reader that wants message ``m`` finds in its slot either ``m`` (ready) or the previous occupant
-   ``m - num_slots`` (0 on the first lap): not written yet. Anything else, an ack beyond what was
-   written, a length above ``slot_size``, an unknown state or a header that does not match the handle is
-   ``CorruptRing``: nothing read from the segment is used as an offset or a length before it is checked.
-
-Memory ordering. This relies on x86-64's total store order: stores become visible in program order, loads
-are not reordered with loads, stores are not reordered with earlier loads; only a load may pass an earlier
-store. Fields are read and written through ``memoryview.cast("Q")``/``("I")`` items, an aligned memcpy of
-8 or 4 bytes that compiles to one ``mov`` (atomic when aligned); ``struct``'s little-endian codes would
-go byte by byte and could show a torn sequence number.
-
-- Publish: the writer copies the payload, stores the length, then stores ``seq``. A reader loads ``seq``
-  first and the length and payload after, so ``seq == m`` implies it sees all of message ``m``.
-- Reuse: a reader copies the payload out, then stores its ack; the writer loads the ack before it stores
-  into the slot again, so the copy never sees the next message's bytes.
-- Sleeping is a Dekker pattern: the waiter stores what it waits for (its ``wants`` word), then loads
-  the condition (``seq``, or the acks); the other side stores the condition, then loads ``wants``. TSO
-  lets each load pass the store before it, so both could miss and the waiter would sleep through a
-  message. Both sides therefore put a full barrier between that store and that load: acquiring and
-  releasing a ``threading.Lock``, which CPython on Linux implements with glibc semaphores whose fast path
-  is a ``lock cmpxchg`` (a full barrier on x86). As a backstop, no sleep lasts longer than
-  ``RECHECK_INTERVAL`` without looking at the shared memory again: a lost wakeup would cost latency,
-  never a hang.
-
-Other architectures (ARM) reorder stores too and would need real barriers, which CPython does not expose;
-the ring refuses to start there.
-
-Doorbells are OS pipes, two per reader: a data pipe (writer -> reader ``i``) and an ack pipe (reader
-``i`` -> writer). A byte means "look again", never "one message": the woken side drains the pipe and
-re-reads the shared memory. A side rings only when the other side sleeps for exactly the value it just
-stored: the writer, after publishing message ``n``, rings reader ``i`` if ``wants_i == n``; a reader,
-after acknowledging ``m``, rings the writer if the writer ``wants`` ack ``m`` (the ack its next slot needs
-from the slowest reader). So a busy pipeline makes no system calls, and a sleeper gets at most one
-ring from each peer. A sleeping sync process blocks in ``poll`` with a timeout; a Trio task awaits
-``trio.lowlevel.wait_readable`` on the same fd.
-
-Liveness. After a handoff every pipe end lives in exactly one process, so end-of-file on a pipe means the
-process on the other side is gone: EOF on ack pipe ``i`` while reader ``i`` has not closed raises
-``ReaderDied(i)`` in a waiting writer (and a doorbell rung at a dead reader raises it too); EOF on the data
-pipe, once the messages already published are read, raises ``WriterClosed`` when the writer closed and
-``WriterDied`` when it did not.
-
-Processes. ``ShmRing`` creates the segment and the pipes. Endpoints in the creator's process come from
-``ring.writer()`` / ``ring.reader(i)``; an endpoint for a subprocess comes from ``ring.handoff_writer()``
-/ ``ring.handoff_reader(i)``, a context manager yielding a ``RingHandle`` (JSON for the command line, its
-``fds`` for ``Popen(pass_fds=...)``) that closes the creator's copies of those fds when it exits. The
-child calls ``RingReader.attach(handle)`` (or ``RingWriter.attach``), which maps the segment without
-registering it with multiprocessing's resource tracker: only the creator tracks and unlinks it (and its
-tracker unlinks it if the creator is killed).
-
-Rule 5 (``ShmRing(..., unlink_when_attached=True)``, a flag in the header): the segment's name is
-unlinked as soon as every endpoint has attached, by whichever endpoint attaches last (each one, after
-storing ATTACHED, puts a full barrier before it loads the others' states, so of two that attach at once
-at least one sees both). The mappings stay valid; the kernel frees the memory with the last of them. From
-then on no kill of any process, in any order, leaves the segment behind; only the start-up window before
-the last attach relies on the creator (``close``) and its tracker. The creator's tracker entry goes
-exactly once: in ``release_tracking()`` (once the name is gone, so that a killed creator's tracker does
-not warn about a segment that no longer exists) or else in ``close``.
+The segment layout and the rules every line here follows (rules 1-5, memory ordering, doorbells, liveness,
+processes) are stated in ``trioserve.protocol.ring_layout``; read them there first. The pure checks come
+from there too, and so do the layout's errors and ``RingHandle``, which this module re-exports.
 
 Each endpoint is used by one thread or one Trio task at a time.
 """
@@ -95,70 +18,69 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 from types import TracebackType
 from typing import Literal, Self
 
-import msgspec
 import trio
 
+from trioserve.protocol.ring_layout import (
+    ATTACHED,
+    FLAG_UNLINK_WHEN_ATTACHED,
+    GONE,
+    H_FLAGS,
+    H_MAGIC,
+    H_NUM_READERS,
+    H_NUM_SLOTS,
+    H_SLOT_SIZE,
+    H_WRITER_PID,
+    H_WRITER_STATE,
+    H_WRITER_WANTS,
+    MAGIC,
+    PENDING,
+    R_ACK,
+    R_PID,
+    R_STATE,
+    R_WANTS,
+    S_LENGTH,
+    SLOT_HEADER,
+    STATES,
+    CorruptRing,
+    MessageTooLarge,
+    RingGeometry,
+    RingHandle,
+    ShmRingError,
+    check_length,
+    slot_holds,
+    writable_until,
+)
+
+# Callers import the ring from here alone: the endpoints, the creator, every error, and the handle.
+__all__ = [
+    "RECHECK_INTERVAL",
+    "CorruptRing",
+    "MessageTooLarge",
+    "ReaderDied",
+    "RingClosed",
+    "RingGeometry",
+    "RingHandle",
+    "RingReader",
+    "RingWriter",
+    "ShmRing",
+    "ShmRingError",
+    "WriterClosed",
+    "WriterDied",
+]
+
 RECHECK_INTERVAL = 0.25  # seconds a sleeper waits on its doorbell before looking at the memory anyway
-
-MAGIC = int.from_bytes(b"tsring01", "little")
-LINE = 64
-HEADER_SIZE = LINE
-READER_AREA = LINE
-SLOT_HEADER = 16
-MAX_SLOT_SIZE = 2**32 - 1 - LINE  # the length is a u32
-MAX_READERS = 256
-
-# Byte offsets of the fields. Header:
-_H_MAGIC = 0  # u64
-_H_NUM_SLOTS = 8  # u32
-_H_SLOT_SIZE = 12  # u32
-_H_NUM_READERS = 16  # u32
-_H_WRITER_PID = 20  # u32
-_H_WRITER_STATE = 24  # u32
-_H_FLAGS = 28  # u32: the creator's options, written before anyone attaches
-_H_WRITER_WANTS = 32  # u64: the ack the writer sleeps for, 0 when it is not sleeping
-# Within reader i's line:
-_R_ACK = 0  # u64
-_R_WANTS = 8  # u64: the message the reader sleeps for, 0 when it is not sleeping
-_R_PID = 16  # u32
-_R_STATE = 20  # u32
-# Within a slot:
-_S_SEQ = 0  # u64
-_S_LENGTH = 8  # u32
-
-FLAG_UNLINK_WHEN_ATTACHED = 1  # rule 5
-
-# Endpoint states (writer state and reader state).
-PENDING, ATTACHED, GONE = 0, 1, 2
-_STATES = (PENDING, ATTACHED, GONE)
 
 _TSO_MACHINES = frozenset({"x86_64", "amd64"})
 
 
 # --------------------------------------------------------------------------------------------------
-# Errors.
+# The endpoints' errors (the base class and the layout's errors are in protocol/ring_layout.py).
 # --------------------------------------------------------------------------------------------------
-
-
-class ShmRingError(Exception):
-    """Base class of the ring's errors."""
-
-
-class MessageTooLarge(ShmRingError):
-    def __init__(self, size: int, capacity: int) -> None:
-        super().__init__(f"message of {size} bytes does not fit a ring slot of {capacity} bytes")
-        self.size = size
-        self.capacity = capacity
-
-
-class CorruptRing(ShmRingError):
-    """Something read from the shared segment breaks the ring's rules."""
 
 
 class ReaderDied(ShmRingError):
@@ -182,123 +104,6 @@ class RingClosed(ShmRingError):
 
 
 # --------------------------------------------------------------------------------------------------
-# The pure core: geometry and the rules on values read from the segment. No I/O.
-# --------------------------------------------------------------------------------------------------
-
-
-def _align(n: int) -> int:
-    return (n + LINE - 1) // LINE * LINE
-
-
-@dataclass(frozen=True, slots=True)
-class RingGeometry:
-    num_slots: int
-    slot_size: int  # payload capacity of one slot, in bytes
-    num_readers: int
-
-    def __post_init__(self) -> None:
-        if self.num_slots < 1:
-            raise ValueError(f"num_slots must be at least 1, got {self.num_slots}")
-        if not 1 <= self.slot_size <= MAX_SLOT_SIZE:
-            raise ValueError(f"slot_size must be in 1..{MAX_SLOT_SIZE}, got {self.slot_size}")
-        if not 1 <= self.num_readers <= MAX_READERS:
-            raise ValueError(f"num_readers must be in 1..{MAX_READERS}, got {self.num_readers}")
-
-    @property
-    def slot_stride(self) -> int:
-        return _align(SLOT_HEADER + self.slot_size)
-
-    @property
-    def slots_offset(self) -> int:
-        return HEADER_SIZE + READER_AREA * self.num_readers
-
-    @property
-    def size(self) -> int:
-        """Bytes of the whole segment."""
-        return self.slots_offset + self.num_slots * self.slot_stride
-
-    def reader_offset(self, index: int) -> int:
-        if not 0 <= index < self.num_readers:
-            raise IndexError(f"reader index {index} out of range 0..{self.num_readers - 1}")
-        return HEADER_SIZE + READER_AREA * index
-
-    def slot_offset(self, seq: int) -> int:
-        """Where message ``seq`` (1-based) lives."""
-        if seq < 1:
-            raise ValueError(f"message numbers start at 1, got {seq}")
-        return self.slots_offset + (seq - 1) % self.num_slots * self.slot_stride
-
-
-def slot_holds(seen: int, wanted: int, num_slots: int) -> bool:
-    """Whether a slot whose ``seq`` reads ``seen`` holds message ``wanted`` (rule 4).
-
-    False: the slot still holds the message one lap earlier (or nothing yet), so ``wanted`` is not
-    published. Any other value can only come from corruption (or a writer breaking rule 3).
-    """
-    if seen == wanted:
-        return True
-    if seen == max(wanted - num_slots, 0):
-        return False
-    raise CorruptRing(
-        f"slot for message {wanted} holds sequence number {seen}; "
-        f"expected {wanted} or {max(wanted - num_slots, 0)}"
-    )
-
-
-def check_length(length: int, capacity: int) -> int:
-    if length > capacity:
-        raise CorruptRing(f"slot length {length} exceeds the slot size {capacity}")
-    return length
-
-
-def writable_until(acks: Sequence[int], written: int, num_slots: int) -> int:
-    """The last message number the writer may publish given the live readers' acks (rule 3).
-
-    With no live reader nothing holds the writer back.
-    """
-    lowest = written
-    for ack in acks:
-        if not 0 <= ack <= written:
-            raise CorruptRing(f"a reader acknowledged message {ack} but {written} were written")
-        lowest = min(lowest, ack)
-    return lowest + num_slots if acks else 2**64 - 1
-
-
-# --------------------------------------------------------------------------------------------------
-# The handle a subprocess attaches with.
-# --------------------------------------------------------------------------------------------------
-
-
-class RingHandle(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What a subprocess needs to attach one endpoint: pass ``to_json()`` on its command line and
-    ``fds`` in ``Popen(pass_fds=...)`` (the fd numbers stay the same in the child)."""
-
-    name: str  # the shared-memory segment, without the leading slash
-    num_slots: int
-    slot_size: int
-    num_readers: int
-    role: Literal["writer", "reader"]
-    reader_index: int  # -1 for the writer
-    data_fds: tuple[int, ...]  # writer: the write end of every data pipe; reader: its read end
-    ack_fds: tuple[int, ...]  # writer: the read end of every ack pipe; reader: its write end
-
-    @property
-    def fds(self) -> tuple[int, ...]:
-        return (*self.data_fds, *self.ack_fds)
-
-    @property
-    def geometry(self) -> RingGeometry:
-        return RingGeometry(self.num_slots, self.slot_size, self.num_readers)
-
-    def to_json(self) -> str:
-        return msgspec.json.encode(self).decode()
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> RingHandle:
-        return msgspec.json.decode(text, type=cls)
-
-
-# --------------------------------------------------------------------------------------------------
 # Small I/O helpers.
 # --------------------------------------------------------------------------------------------------
 
@@ -308,7 +113,7 @@ _fence_release = _fence_lock.release
 
 
 def _full_fence() -> None:
-    """A full memory barrier on x86 (see the module docstring): a locked instruction inside glibc."""
+    """A full memory barrier on x86 (ring_layout, "Memory ordering"): a locked instruction inside glibc."""
     _fence_acquire()
     _fence_release()
 
@@ -381,7 +186,7 @@ def _attach_segment(name: str) -> SharedMemory:
 
 def _all_attached(u32: memoryview, geometry: RingGeometry) -> bool:
     """No endpoint is PENDING: every one attached (or never will: closed, or given up by ``close``)."""
-    offsets = (_H_WRITER_STATE, *(geometry.reader_offset(i) + _R_STATE for i in range(geometry.num_readers)))
+    offsets = (H_WRITER_STATE, *(geometry.reader_offset(i) + R_STATE for i in range(geometry.num_readers)))
     return all(u32[offset // 4] != PENDING for offset in offsets)
 
 
@@ -452,7 +257,7 @@ class _Endpoint:
         self._owns_mapping = owns_mapping
         buf = _view(shm)
         self._buf = buf  # the mapping's own view: slices of it are temporaries, released at once
-        self._u64 = buf.cast("Q")  # aligned 8-byte loads and stores (see "Memory ordering")
+        self._u64 = buf.cast("Q")  # aligned 8-byte loads and stores (ring_layout, "Memory ordering")
         self._u32 = buf.cast("I")
         self._capacity = geometry.slot_size
         self._num_slots = geometry.num_slots
@@ -474,10 +279,10 @@ class _Endpoint:
             u32 = _view(shm).cast("I")
             try:
                 found = (
-                    u64[_H_MAGIC // 8],
-                    u32[_H_NUM_SLOTS // 4],
-                    u32[_H_SLOT_SIZE // 4],
-                    u32[_H_NUM_READERS // 4],
+                    u64[H_MAGIC // 8],
+                    u32[H_NUM_SLOTS // 4],
+                    u32[H_SLOT_SIZE // 4],
+                    u32[H_NUM_READERS // 4],
                 )
             finally:
                 u64.release()
@@ -495,7 +300,7 @@ class _Endpoint:
 
     def _state(self, offset: int) -> int:
         state = self._u32[offset // 4]
-        if state not in _STATES:
+        if state not in STATES:
             raise CorruptRing(f"unknown endpoint state {state} at offset {offset}")
         return state
 
@@ -504,7 +309,7 @@ class _Endpoint:
             raise RingClosed(f"{what} of ring {self._shm.name} is already attached or closed")
         self._u32[pid_offset // 4] = os.getpid()
         self._u32[state_offset // 4] = ATTACHED
-        if self._u32[_H_FLAGS // 4] & FLAG_UNLINK_WHEN_ATTACHED:
+        if self._u32[H_FLAGS // 4] & FLAG_UNLINK_WHEN_ATTACHED:
             _full_fence()  # our ATTACHED store before the loads of the other states (rule 5)
             if _all_attached(self._u32, self.geometry):
                 _unlink_untracked(self._shm)
@@ -553,7 +358,7 @@ class RingWriter(_Endpoint):
     ) -> None:
         super().__init__(geometry, shm, owns_mapping=owns_mapping)
         try:
-            self._claim(_H_WRITER_STATE, _H_WRITER_PID, "the writer")
+            self._claim(H_WRITER_STATE, H_WRITER_PID, "the writer")
         except BaseException:
             self._release_mapping()
             raise
@@ -593,7 +398,7 @@ class RingWriter(_Endpoint):
 
     def _rebuild_live(self) -> None:
         self._bells = [
-            ((self.geometry.reader_offset(i) + _R_WANTS) // 8, self._data_fds[i], i) for i in self._live
+            ((self.geometry.reader_offset(i) + R_WANTS) // 8, self._data_fds[i], i) for i in self._live
         ]
 
     def _drop(self, index: int) -> None:
@@ -606,18 +411,18 @@ class RingWriter(_Endpoint):
     def _reader_gone(self, index: int) -> None:
         """Reader ``index``'s pipe ends are closed: drop it if it closed, else it died."""
         offset = self.geometry.reader_offset(index)
-        if self._state(offset + _R_STATE) != GONE:
-            raise ReaderDied(index, self._u32[(offset + _R_PID) // 4])
+        if self._state(offset + R_STATE) != GONE:
+            raise ReaderDied(index, self._u32[(offset + R_PID) // 4])
         self._drop(index)
 
     def _refresh_limit(self) -> None:
         acks = []
         for i in list(self._live):
             offset = self.geometry.reader_offset(i)
-            if self._state(offset + _R_STATE) == GONE:
+            if self._state(offset + R_STATE) == GONE:
                 self._drop(i)
                 continue
-            ack = self._u64[(offset + _R_ACK) // 8]
+            ack = self._u64[(offset + R_ACK) // 8]
             if ack < self._acks[i]:
                 raise CorruptRing(f"reader {i}'s ack went back from {self._acks[i]} to {ack}")
             self._acks[i] = ack
@@ -643,7 +448,7 @@ class RingWriter(_Endpoint):
         start = offset + SLOT_HEADER
         u64 = self._u64
         self._buf[start : start + size] = payload
-        self._u32[(offset + _S_LENGTH) >> 2] = size
+        self._u32[(offset + S_LENGTH) >> 2] = size
         u64[offset >> 3] = seq  # publish: after the payload and the length
         self._written = seq
         _fence_acquire()  # a full barrier: the seq store before the wants loads (Dekker)
@@ -674,7 +479,7 @@ class RingWriter(_Endpoint):
 
     def _sleep_for(self, ack: int) -> None:
         """Before sleeping: ask the readers to ring when one acknowledges ``ack`` (0: stop asking)."""
-        self._u64[_H_WRITER_WANTS // 8] = ack
+        self._u64[H_WRITER_WANTS // 8] = ack
         if ack:
             _full_fence()  # the wants store before the ack loads (Dekker)
 
@@ -715,8 +520,8 @@ class RingWriter(_Endpoint):
         if self.closed:
             return
         self.closed = True
-        self._u64[_H_WRITER_WANTS // 8] = 0
-        self._u32[_H_WRITER_STATE // 4] = GONE  # before the fds close: a reader seeing EOF sees GONE
+        self._u64[H_WRITER_WANTS // 8] = 0
+        self._u32[H_WRITER_STATE // 4] = GONE  # before the fds close: a reader seeing EOF sees GONE
         for fd in (*self._data_fds, *self._ack_fds):
             _close_fd(fd)
         self._release_mapping()
@@ -739,13 +544,13 @@ class RingReader(_Endpoint):
         self.index = index
         offset = geometry.reader_offset(index)
         try:
-            self._claim(offset + _R_STATE, offset + _R_PID, f"reader {index}")
+            self._claim(offset + R_STATE, offset + R_PID, f"reader {index}")
         except BaseException:
             self._release_mapping()
             raise
-        self._ack_word = (offset + _R_ACK) // 8
-        self._wants_word = (offset + _R_WANTS) // 8
-        self._state_word = (offset + _R_STATE) // 4
+        self._ack_word = (offset + R_ACK) // 8
+        self._wants_word = (offset + R_WANTS) // 8
+        self._state_word = (offset + R_STATE) // 4
         self._next = self._u64[self._ack_word] + 1
         self._data_fd = data_fd
         self._ack_fd = ack_fd
@@ -796,7 +601,7 @@ class RingReader(_Endpoint):
         u32 = self._u32
         if u64[offset >> 3] != m and not self._published_late(offset, m):
             return None
-        size = u32[(offset + _S_LENGTH) >> 2]
+        size = u32[(offset + S_LENGTH) >> 2]
         if size > self._capacity:
             check_length(size, self._capacity)
         start = offset + SLOT_HEADER
@@ -805,7 +610,7 @@ class RingReader(_Endpoint):
         self._next = m + 1
         _fence_acquire()  # a full barrier: the ack store before the writer's wants load (Dekker)
         _fence_release()
-        if u64[_H_WRITER_WANTS >> 3] == m:
+        if u64[H_WRITER_WANTS >> 3] == m:
             # BlockingIOError: rung already; BrokenPipeError: the writer is gone (the data pipe says so).
             with suppress(BlockingIOError, BrokenPipeError):
                 os.write(self._ack_fd, b"\x01")
@@ -816,7 +621,7 @@ class RingReader(_Endpoint):
         closed. True when a second look finds ``m`` after all."""
         if slot_holds(self._u64[offset >> 3], m, self._num_slots):
             return True
-        if self._u32[_H_WRITER_STATE >> 2] != GONE:
+        if self._u32[H_WRITER_STATE >> 2] != GONE:
             return False
         # The writer stored GONE after its last publish, so after seeing GONE one more look is final.
         if slot_holds(self._u64[offset >> 3], m, self._num_slots):
@@ -933,11 +738,11 @@ class ShmRing:
                     pipes.append((r, w))
             u32 = _view(self._shm).cast("I")
             u64 = _view(self._shm).cast("Q")
-            u32[_H_NUM_SLOTS // 4] = num_slots
-            u32[_H_SLOT_SIZE // 4] = slot_size
-            u32[_H_NUM_READERS // 4] = num_readers
-            u32[_H_FLAGS // 4] = FLAG_UNLINK_WHEN_ATTACHED if unlink_when_attached else 0
-            u64[_H_MAGIC // 8] = MAGIC
+            u32[H_NUM_SLOTS // 4] = num_slots
+            u32[H_SLOT_SIZE // 4] = slot_size
+            u32[H_NUM_READERS // 4] = num_readers
+            u32[H_FLAGS // 4] = FLAG_UNLINK_WHEN_ATTACHED if unlink_when_attached else 0
+            u64[H_MAGIC // 8] = MAGIC
             u32.release()
             u64.release()
         except BaseException:
@@ -1008,7 +813,7 @@ class ShmRing:
             return not self._tracked
         u32 = _view(self._shm).cast("I")
         try:
-            if not u32[_H_FLAGS // 4] & FLAG_UNLINK_WHEN_ATTACHED or not _all_attached(u32, self.geometry):
+            if not u32[H_FLAGS // 4] & FLAG_UNLINK_WHEN_ATTACHED or not _all_attached(u32, self.geometry):
                 return False
         finally:
             u32.release()
@@ -1028,8 +833,8 @@ class ShmRing:
         # Nothing may attach any more; a handed-out endpoint that never attached stops counting.
         u32 = _view(self._shm).cast("I")
         for offset in (
-            _H_WRITER_STATE,
-            *(self.geometry.reader_offset(i) + _R_STATE for i in range(self.geometry.num_readers)),
+            H_WRITER_STATE,
+            *(self.geometry.reader_offset(i) + R_STATE for i in range(self.geometry.num_readers)),
         ):
             if u32[offset // 4] == PENDING:
                 u32[offset // 4] = GONE

@@ -18,51 +18,40 @@ import logging
 import os
 import signal
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import msgspec
 import torch
 import transformers
 
-from trioserve.launch.process import set_title, setup_logging
+from trioserve.models.geometry import KVGeometry
 from trioserve.protocol.worker_messages import (
     StepResult,
     WorkerFailed,
+    WorkerLaunch,
     WorkerReady,
     WorkerShutdown,
     WorkerStep,
     worker_input_codec,
 )
+from trioserve.runtime.process import set_title, setup_logging
 from trioserve.transport.shm_ring import ReaderDied, RingReader, RingWriter, WriterClosed, WriterDied
-from trioserve.worker.geometry import KVGeometry
 from trioserve.worker.model_runner import ModelRunner, RunnerConfig
 
 log = logging.getLogger("trioserve.worker")
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerConfig:
-    model: str
-    steps_ring: str  # RingHandle JSON: this worker's reader end of the step ring
-    results_ring: str | None  # RingHandle JSON: the writer end of the result ring (output rank only)
-    rank: int = 0
-    block_size: int = 16
-    num_blocks: int = 0  # 0: as many as kv_cache_bytes holds
-    kv_cache_bytes: int = 2 << 30
-    device: str = "auto"  # auto: cuda when present, else cpu
-    dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
-    num_threads: int = 0  # torch CPU threads; 0: all cores but one (the engine core and API server's)
-    log_level: str = "info"
-
-
-def run_worker(config: WorkerConfig) -> int:
-    set_title("Worker" if config.rank == 0 else f"Worker_TP{config.rank}")
-    setup_logging(config.log_level)
+def run_worker(launch: WorkerLaunch | str) -> int:
+    """The worker process's main: ``launch`` is its ``WorkerLaunch`` (or that value's JSON, as
+    ``--launch`` carries it); returns the exit code."""
+    if isinstance(launch, str):
+        launch = WorkerLaunch.from_json(launch)
+    set_title("Worker" if launch.rank == 0 else f"Worker_TP{launch.rank}")
+    setup_logging(launch.log_level)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # No tqdm bars in the server's log: the runner logs one line saying how long loading took.
     transformers.utils.logging.disable_progress_bar()  # type: ignore[no-untyped-call]
-    steps = RingReader.attach(config.steps_ring)
-    results = RingWriter.attach(config.results_ring) if config.results_ring else None
+    steps = RingReader.attach(launch.steps_ring)
+    results = RingWriter.attach(launch.results_ring) if launch.results_ring is not None else None
     encoder = msgspec.msgpack.Encoder()
 
     def answer(message: msgspec.Struct) -> None:
@@ -70,9 +59,9 @@ def run_worker(config: WorkerConfig) -> int:
             results.write_blocking(encoder.encode(message))
 
     try:
-        return _serve(config, steps, answer)
+        return _serve(launch, steps, answer)
     except ReaderDied:  # answering: the engine core, the result ring's one reader, is gone
-        log.info("worker %d: the engine core is gone; exiting", config.rank)
+        log.info("worker %d: the engine core is gone; exiting", launch.rank)
         return 0
     finally:
         steps.close()
@@ -80,21 +69,21 @@ def run_worker(config: WorkerConfig) -> int:
             results.close()
 
 
-def _serve(config: WorkerConfig, steps: RingReader, answer: Callable[[msgspec.Struct], None]) -> int:
+def _serve(launch: WorkerLaunch, steps: RingReader, answer: Callable[[msgspec.Struct], None]) -> int:
     """Load the model, say so, then run steps until told to stop (the return value: the exit code)."""
     try:
-        runner = _load(config)
+        runner = _load(launch)
     except Exception as exc:
-        log.exception("worker %d could not load %s", config.rank, config.model)
-        answer(WorkerFailed(config.rank, f"loading {config.model} failed: {exc!r}"))
+        log.exception("worker %d could not load %s", launch.rank, launch.model)
+        answer(WorkerFailed(launch.rank, f"loading {launch.model} failed: {exc!r}"))
         return 1
-    answer(WorkerReady(config.rank, os.getpid(), runner.load_seconds, str(runner.device), runner.num_blocks))
+    answer(WorkerReady(launch.rank, os.getpid(), runner.load_seconds, str(runner.device), runner.num_blocks))
     codec = worker_input_codec()
     while True:
         try:
             frame = steps.read_blocking()
         except (WriterClosed, WriterDied):
-            log.info("worker %d: the engine core is gone; exiting", config.rank)
+            log.info("worker %d: the engine core is gone; exiting", launch.rank)
             return 0
         match codec.decode(frame):
             case WorkerShutdown():
@@ -103,22 +92,23 @@ def _serve(config: WorkerConfig, steps: RingReader, answer: Callable[[msgspec.St
                 try:
                     sampled = runner.execute(step)
                 except Exception as exc:
-                    log.exception("worker %d failed in step %d", config.rank, step.step)
-                    answer(WorkerFailed(config.rank, f"step {step.step} failed: {exc!r}"))
+                    log.exception("worker %d failed in step %d", launch.rank, step.step)
+                    answer(WorkerFailed(launch.rank, f"step {step.step} failed: {exc!r}"))
                     return 1
                 answer(StepResult(step.step, sampled))
 
 
-def _load(config: WorkerConfig) -> ModelRunner:
-    device = config.device
+def _load(launch: WorkerLaunch) -> ModelRunner:
+    worker = launch.worker
+    device = worker.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = config.dtype
+    dtype: str = worker.dtype
     if dtype == "auto":
         dtype = "bfloat16" if device == "cuda" else "float32"
-    threads = config.num_threads or max(1, (os.cpu_count() or 2) - 1)
-    geometry = KVGeometry.from_model_dir(config.model)
-    num_blocks = config.num_blocks or geometry.blocks_for(config.kv_cache_bytes, config.block_size, dtype)
+    threads = worker.worker_threads or max(1, (os.cpu_count() or 2) - 1)
+    geometry = KVGeometry.from_model_dir(launch.model)
+    num_blocks = launch.num_blocks or geometry.blocks_for(launch.kv_cache_bytes, launch.block_size, dtype)
     if num_blocks < 1:
-        raise ValueError(f"{config.kv_cache_bytes} bytes of KV cache hold no block of {config.block_size}")
-    return ModelRunner.load(RunnerConfig(config.model, num_blocks, config.block_size, device, dtype, threads))
+        raise ValueError(f"{launch.kv_cache_bytes} bytes of KV cache hold no block of {launch.block_size}")
+    return ModelRunner.load(RunnerConfig(launch.model, num_blocks, launch.block_size, device, dtype, threads))

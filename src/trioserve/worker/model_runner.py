@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
-from trioserve.engine.scheduler import SchedulerOutput
+from trioserve.models.geometry import KVGeometry
 from trioserve.protocol.messages import SamplingParams
-from trioserve.worker.geometry import KVGeometry
+from trioserve.protocol.step import SchedulerOutput
 from trioserve.worker.paged_attention import ATTN_IMPLEMENTATION, BatchLayout, PagedKVCache, PrefillSpan
 from trioserve.worker.sampler import Sampler, SamplingRow
 

@@ -35,7 +35,10 @@ class RendererPool:
         self._workers = workers
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
-        self.batches = 0  # hand-overs to the event loop (jobs / batches = the batching achieved)
+        # Counters for /metrics, counted on the event loop as each batch comes back (not on the
+        # threads, where ``+=`` could lose counts): jobs / batches is the batching achieved.
+        self.jobs = 0  # renders handed back to their callers
+        self.batches = 0  # hand-overs to the event loop
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Own the worker threads: started here, stopped (and joined) when this task is cancelled."""
@@ -82,13 +85,14 @@ class RendererPool:
                 batch.append(job)
             for job in batch:
                 job.result = outcome.capture(job.fn, *job.args)
-            self.batches += 1
             try:
-                token.run_sync_soon(_deliver, batch)
+                token.run_sync_soon(self._deliver, batch)
             except trio.RunFinishedError:
                 return
 
-
-def _deliver(batch: list[_Job]) -> None:
-    for job in batch:
-        job.done.set()
+    def _deliver(self, batch: list[_Job]) -> None:
+        """On the event loop: wake the batch's callers."""
+        self.batches += 1
+        self.jobs += len(batch)
+        for job in batch:
+            job.done.set()

@@ -16,10 +16,10 @@ from quart import request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from trioserve.frontend.errors import ApiError, error_body
-from trioserve.frontend.openai_schema import DetokenizeRequest, TokenizeRequest
+from trioserve.frontend.request.errors import ApiError, error_body
+from trioserve.frontend.request.openai_schema import DetokenizeRequest, TokenizeRequest
+from trioserve.frontend.request.validate import decode_body, resolve_model
 from trioserve.frontend.serving import Serving, message_dicts
-from trioserve.frontend.validate import decode_body, resolve_model
 
 
 def _json(body: bytes, status: int = 200) -> QuartResponse:
@@ -38,10 +38,10 @@ def _error(exc: ApiError) -> QuartResponse:
     return response
 
 
-def create_app(serving: Serving, metrics_text: Callable[[], str]) -> QuartTrio:
-    config = serving.config
+def create_app(serving: Serving, metrics_text: Callable[[], str], max_request_body_bytes: int) -> QuartTrio:
+    served = serving.model
     app = QuartTrio("trioserve")
-    app.config["MAX_CONTENT_LENGTH"] = config.max_request_body_bytes
+    app.config["MAX_CONTENT_LENGTH"] = max_request_body_bytes
     app.config["PROVIDE_AUTOMATIC_OPTIONS"] = False
     # The accept loop enforces the connection's limits (head, body and idle timeouts) for every route;
     # quart's own 60 s response timeout would only ever cut a response short without telling.
@@ -80,17 +80,17 @@ def create_app(serving: Serving, metrics_text: Callable[[], str]) -> QuartTrio:
                 "object": "model",
                 "created": created,
                 "owned_by": "trioserve",
-                "root": config.model or name,
-                "max_model_len": config.max_model_len,
+                "root": served.model or name,
+                "max_model_len": served.max_model_len,
             }
-            for name in config.model_names
+            for name in served.model_names
         ]
         return _json(msgspec.json.encode({"object": "list", "data": data}))
 
     @app.post("/tokenize")
     async def tokenize() -> QuartResponse:
         req = decode_body(await _body(), TokenizeRequest)
-        resolve_model(req.model, config.model_names)
+        resolve_model(req.model, served.model_names)
         tok = serving.tokenizer
         if req.messages is not None:
             messages = message_dicts(req.messages)
@@ -99,13 +99,13 @@ def create_app(serving: Serving, metrics_text: Callable[[], str]) -> QuartTrio:
             ids = await serving.render(tok.encode, req.prompt, req.add_special_tokens)
         else:
             raise ApiError(400, "send either `prompt` or `messages`")
-        body = {"count": len(ids), "max_model_len": config.max_model_len, "tokens": ids}
+        body = {"count": len(ids), "max_model_len": served.max_model_len, "tokens": ids}
         return _json(msgspec.json.encode(body))
 
     @app.post("/detokenize")
     async def detokenize() -> QuartResponse:
         req = decode_body(await _body(), DetokenizeRequest)
-        resolve_model(req.model, config.model_names)
+        resolve_model(req.model, served.model_names)
         vocab = serving.tokenizer.vocab_size
         if any(not 0 <= t < vocab for t in req.tokens):
             raise ApiError(400, f"token ids must be in [0, {vocab})", param="tokens")

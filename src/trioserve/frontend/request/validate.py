@@ -15,15 +15,15 @@ from typing import Any, NamedTuple, TypeVar
 
 import msgspec
 
-from trioserve.config import ServeConfig
-from trioserve.frontend.errors import ApiError
-from trioserve.frontend.openai_schema import (
+from trioserve.config import ModelConfig, RequestConfig
+from trioserve.frontend.request.errors import ApiError
+from trioserve.frontend.request.openai_schema import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
     _Sampling,
 )
-from trioserve.frontend.stop_strings import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+from trioserve.frontend.text.stop_strings import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from trioserve.protocol.messages import SamplingParams
 
 T = TypeVar("T")
@@ -338,10 +338,10 @@ def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
     return tuple(s for s in strings if s)
 
 
-def output_options(req: _Sampling, config: ServeConfig) -> OutputOptions:
-    model = resolve_model(req.model, config.model_names)
-    if not 1 <= req.n <= config.max_n:
-        raise ApiError(400, f"n must be between 1 and {config.max_n}, got {req.n}", param="n")
+def output_options(req: _Sampling, served: ModelConfig, limits: RequestConfig) -> OutputOptions:
+    model = resolve_model(req.model, served.model_names)
+    if not 1 <= req.n <= limits.max_n:
+        raise ApiError(400, f"n must be between 1 and {limits.max_n}, got {req.n}", param="n")
     check_ranges(req)
     refuse_unsupported(req)
     stop = _stop_strings(req.stop)
@@ -379,18 +379,18 @@ def requested_max_tokens(req: ChatCompletionRequest | CompletionRequest) -> int 
 
 
 def sampling_params(
-    req: ChatCompletionRequest | CompletionRequest, config: ServeConfig, prompt_len: int
+    req: ChatCompletionRequest | CompletionRequest, served: ModelConfig, prompt_len: int
 ) -> SamplingParams:
     """Engine sampling parameters; ``prompt_len`` bounds max_tokens by the context window."""
-    check_length(prompt_len, config.max_model_len)
-    room = config.max_model_len - prompt_len
+    check_length(prompt_len, served.max_model_len)
+    room = served.max_model_len - prompt_len
     max_tokens = requested_max_tokens(req)
     if max_tokens is None:
         max_tokens = room
     elif max_tokens > room:
         raise ApiError(
             400,
-            f"This model's maximum context length is {config.max_model_len} tokens. However, you "
+            f"This model's maximum context length is {served.max_model_len} tokens. However, you "
             f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} "
             "for the completion). Please reduce the length of the prompt or completion.",
             param="max_tokens",

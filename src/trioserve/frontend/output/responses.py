@@ -7,7 +7,12 @@ the response turns that into chunks on its sink. Invariants:
   merged (text concatenated, token ids appended, the finish reason kept) and encoded once on drain;
 - ``done`` is set exactly once, after the last byte of the response has been handed to the sink, on
   every path: normal finish, engine error, or the engine going away;
-- usage counts every token the engine produced for the response (prompt counted once, as OpenAI does).
+- usage counts every token the engine produced for the response (prompt counted once, as OpenAI does);
+- a response is built whole (everything it needs is a constructor argument) and attaches itself to its
+  sink, which tells it when the client caught up (``on_drained``).
+
+Responses are pure: no trio, no I/O. They write to a ``ResponseSink`` (the edge's ``Sink``) and wake
+whoever waits for them through plain callables.
 """
 
 from __future__ import annotations
@@ -15,16 +20,40 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
-import trio
-
-from trioserve.frontend.admission import Ticket
-from trioserve.frontend.chunks import Choice, ChunkEncoder, full_body
-from trioserve.frontend.errors import ApiError
-from trioserve.frontend.sinks import Sink
-from trioserve.frontend.stream_policy import StreamPolicy
-from trioserve.frontend.validate import OutputOptions
+from trioserve.config import StreamPolicy
+from trioserve.frontend.output.chunks import Choice, ChunkEncoder, full_body
+from trioserve.frontend.request.admission import Ticket
+from trioserve.frontend.request.errors import ApiError
+from trioserve.frontend.request.validate import OutputOptions
 from trioserve.protocol.messages import SamplingParams
+
+
+class Wakeable(Protocol):
+    def set(self) -> None: ...
+
+
+class ResponseSink(Protocol):
+    """What a response needs of the transport its bytes go to (``frontend/edge/sinks.py:Sink``)."""
+
+    response: Response | None  # set by the response: the sink tells it when the client caught up
+
+    @property
+    def backlogged(self) -> bool: ...
+    @property
+    def backlog_bytes(self) -> int: ...
+    @property
+    def started(self) -> bool: ...
+    @property
+    def waker(self) -> Wakeable:
+        """Set when the response is complete: the task that owns the transport finishes it."""
+        ...
+
+    def event(self, payload: bytes) -> None: ...
+    def events(self, payloads: list[bytes]) -> None: ...
+    def end(self) -> None: ...
+    def full(self, status: int, body: bytes) -> None: ...
 
 
 @dataclass(slots=True)
@@ -40,26 +69,32 @@ class Response(ABC):
 
     def __init__(
         self,
-        sink: Sink,
+        sink: ResponseSink,
         encoder: ChunkEncoder,
         options: OutputOptions,
         prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        ticket: Ticket,
         on_done: Callable[[Response], None],
     ) -> None:
+        """``params``: what the engine is asked for; ``ticket``: the admission slot, released when the
+        response retires; ``on_done``: called once, when the response completes."""
         self.sink = sink
         self.encoder = encoder
         self.options = options
         self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.priority = priority
+        self.ticket = ticket
         self.completion_tokens = 0
         self.remaining = options.n
         self.done = False
         # One engine request per choice; the id is also the response's key in the output handler.
         self.request_ids = [f"{encoder.id}-{i}" for i in range(options.n)]
-        self.params: SamplingParams | None = None  # what the engine is asked for (set by Serving)
-        self.priority = 0
-        self.ticket: Ticket | None = None  # the admission slot, released when the response retires
         self._on_done = on_done
         self._start(options.n)
+        sink.response = self
 
     @abstractmethod
     def _start(self, n: int) -> None:
@@ -74,6 +109,24 @@ class Response(ABC):
     def on_drained(self) -> None:  # noqa: B027  (deliberately a no-op: only streams merge)
         """The sink caught up: write what was merged while it was backlogged."""
 
+    # Gauges for /metrics, read at scrape time (never on the token path). A full response writes once,
+    # as it completes, so nothing of it ever waits for its client.
+
+    @property
+    def backlogged(self) -> bool:
+        """A streamed response whose client has not taken every byte written yet."""
+        return False
+
+    @property
+    def backlog_bytes(self) -> int:
+        """Bytes this response's sink holds for its client (0 where the sink shares its socket)."""
+        return 0
+
+    @property
+    def merged_tokens(self) -> int:
+        """Tokens merged and waiting for the client to catch up (0 while it keeps up)."""
+        return 0
+
     @abstractmethod
     def fail(self, status: int, message: str) -> None:
         """End the response with an error the client sees."""
@@ -86,8 +139,28 @@ class Response(ABC):
 
 
 class StreamingResponse(Response):
-    policy = StreamPolicy()  # set per response by Serving
-    stalled: list[StreamingResponse] | None = None  # the output handler's list, under "stall"
+    def __init__(
+        self,
+        sink: ResponseSink,
+        encoder: ChunkEncoder,
+        options: OutputOptions,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        ticket: Ticket,
+        on_done: Callable[[Response], None],
+        *,
+        policy: StreamPolicy,
+        stalled: list[StreamingResponse] | None = None,
+    ) -> None:
+        """``policy``: what to do while the client is behind (``--stream-policy``); ``stalled``: under
+        ``stall``, the output handler's list of responses it waits for before its next step."""
+        self.policy = policy
+        self.stalled = stalled
+        # Called once the client caught up (or the response ended), then cleared: set by a task that
+        # waits for that (the output handler, under ``stall``).
+        self.on_caught_up: Callable[[], None] | None = None
+        super().__init__(sink, encoder, options, prompt_token_ids, params, priority, ticket, on_done)
 
     def _start(self, n: int) -> None:
         self._role_pending = [self.encoder.kind == "chat"] * n  # chat choices open with a role chunk
@@ -95,22 +168,26 @@ class StreamingResponse(Response):
         self._pending_tokens = 0  # tokens merged while the sink is backlogged
         self._queued = 0  # chunks queued behind the socket since it last drained (queue:N)
         self._stall_listed = False
-        self._drained: trio.Event | None = None
         self.merged_deltas = 0
         self.content_events = 0  # chunks that carried a delta (not role or usage chunks)
 
     @property
+    def backlogged(self) -> bool:
+        return self.sink.backlogged
+
+    @property
+    def backlog_bytes(self) -> int:
+        return self.sink.backlog_bytes
+
+    @property
     def merged_tokens(self) -> int:
-        """Tokens merged and waiting for the client to catch up (0 while it keeps up)."""
         return self._pending_tokens if self._pending else 0
 
-    async def wait_drained(self) -> None:
-        """Until the client has taken what was waiting (or the response is over)."""
-        if self.done or not self.sink.backlogged:
-            return
-        if self._drained is None:
-            self._drained = trio.Event()
-        await self._drained.wait()
+    def _caught_up(self) -> None:
+        wake = self.on_caught_up
+        if wake is not None:
+            self.on_caught_up = None
+            wake()
 
     def on_delta(
         self, index: int, text: str, token_ids: list[int], finish: str | None, stop_reason: int | str | None
@@ -169,9 +246,7 @@ class StreamingResponse(Response):
     def on_drained(self) -> None:
         self._queued = 0
         self._stall_listed = False
-        if self._drained is not None:
-            self._drained.set()
-            self._drained = None
+        self._caught_up()
         if self.done or not self._pending:
             return
         self._pending_tokens = 0
@@ -206,8 +281,7 @@ class StreamingResponse(Response):
     def _end(self) -> None:
         self.sink.end()
         self._finish()
-        if self._drained is not None:
-            self._drained.set()
+        self._caught_up()
 
     def fail(self, status: int, message: str) -> None:
         """One error event, then the end of the stream; or a plain error response if nothing was

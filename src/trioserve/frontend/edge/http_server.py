@@ -33,12 +33,12 @@ from functools import partial
 import h11
 import trio
 
-from trioserve.frontend.asgi_host import AsgiHost
-from trioserve.frontend.chunks import Kind
-from trioserve.frontend.errors import ApiError
-from trioserve.frontend.http_sink import HttpSink, send_all
+from trioserve.frontend.edge.asgi_host import AsgiHost
+from trioserve.frontend.edge.http_sink import HttpSink, send_all
+from trioserve.frontend.output.chunks import Kind
+from trioserve.frontend.request.errors import ApiError
 from trioserve.frontend.serving import Serving
-from trioserve.sync import Waker
+from trioserve.runtime.sync import Waker
 
 log = logging.getLogger("trioserve.http")
 
@@ -292,7 +292,7 @@ class HttpConnection:
             while not (response.done and not sink.backlogged) and not sink.closed:
                 if sink.backlogged:
                     await sink.flush()
-                    response.on_drained()
+                    sink.drained()
                 elif await sink.waker.run_until_set(self._recv) == b"":
                     sink.closed = True
         finally:

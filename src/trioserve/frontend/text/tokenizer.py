@@ -24,9 +24,9 @@ from tokenizers import Tokenizer as BackendTokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import TikTokenConverter
 
-from trioserve.cached_folder import build_cached_folder, cache_root
-from trioserve.frontend.byte_detokenizer import ByteLevelDetokenizer, ByteLevelTables
-from trioserve.frontend.detokenizer import Detokenizer, IncrementalDetokenizer
+from trioserve.frontend.text.byte_detokenizer import ByteLevelDetokenizer, ByteLevelTables
+from trioserve.frontend.text.detokenizer import Detokenizer, IncrementalDetokenizer
+from trioserve.models.cached_folder import build_cached_folder, cache_root
 
 __all__ = ["QWEN3_ADDED_TOKENS", "QWEN3_FIRST_ADDED_ID", "Tokenizer", "load_tokenizer"]
 

@@ -28,11 +28,12 @@ class StepQueue:
         self._steps: deque[EngineOutputs] = deque()
         self._not_empty = trio.lowlevel.ParkingLot()
         self._not_full = trio.lowlevel.ParkingLot()
-        self.coalesced = 0  # steps folded into a queued step
-        self.max_depth = 0
+        self.coalesced = 0  # counter: steps folded into a queued step
+        self.max_depth = 0  # gauge: the most steps ever queued at once (the high-water mark)
 
     @property
     def depth(self) -> int:
+        """Gauge: steps queued now."""
         return len(self._steps)
 
     async def put(self, step: EngineOutputs) -> None:

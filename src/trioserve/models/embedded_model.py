@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Final
 import numpy as np
 import numpy.typing as npt
 
-from trioserve.cached_folder import build_cached_folder, cache_root, stamp_ok
+from trioserve.models.cached_folder import build_cached_folder, cache_root, stamp_ok
 
 if TYPE_CHECKING:
     import torch

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import trio
 
-from trioserve.sync import Waker
+from trioserve.runtime.sync import Waker
+
+if TYPE_CHECKING:
+    from trioserve.frontend.output.responses import Response
 
 T = TypeVar("T")
 
@@ -51,18 +54,36 @@ class InterruptWaker(Waker):
 
 
 class Sink(ABC):
-    """Transport for one response. ``event`` payloads are JSON chunk bodies without framing."""
+    """Transport for one response (``responses.ResponseSink`` is what the response needs of it).
+    ``event`` payloads are JSON chunk bodies without framing.
 
-    __slots__ = ("closed", "waker")
+    Rule: a transport reports that its peer caught up (or is gone) by calling ``drained``, and only
+    that; the sink tells its response, in this one place.
+    """
+
+    __slots__ = ("closed", "response", "waker")
 
     def __init__(self, waker: Waker | None = None) -> None:
         self.waker = waker or Waker()  # several sinks may share one writer's waker (WebSocket)
         self.closed = False  # the peer went away; writes are dropped
+        self.response: Response | None = None  # the response writing here (it attaches itself)
+
+    def drained(self) -> None:
+        """The peer took every byte written so far, or is gone: the response writes what it merged
+        meanwhile (and releases an output handler waiting on it under ``stall``)."""
+        if self.response is not None:
+            self.response.on_drained()
 
     @property
     @abstractmethod
     def backlogged(self) -> bool:
         """True while earlier bytes are still waiting for the peer."""
+
+    @property
+    def backlog_bytes(self) -> int:
+        """Gauge: bytes written here that the peer has not taken yet. 0 where the sink holds none of
+        its own (WebSocket sinks share their socket's writer, which counts its bytes itself)."""
+        return 0
 
     @property
     def started(self) -> bool:

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 import trio
 
-from trioserve.frontend.detokenizer import Detokenizer
-from trioserve.frontend.responses import Response, StreamingResponse
-from trioserve.frontend.step_queue import QueuePolicy, StepQueue
-from trioserve.frontend.stop_strings import StopStringMatcher
+from trioserve.frontend.output.responses import Response, StreamingResponse
+from trioserve.frontend.output.step_queue import QueuePolicy, StepQueue
+from trioserve.frontend.text.detokenizer import Detokenizer
+from trioserve.frontend.text.stop_strings import StopStringMatcher
 from trioserve.metrics import Metrics
 from trioserve.protocol.messages import EngineOutputs, EngineStats, RequestEvent
 
@@ -131,8 +131,17 @@ class OutputHandler:
             self.process(step)
             while self.stalled:
                 self.stalled_waiting = len(self.stalled)
-                await self.stalled.pop().wait_drained()
+                await self._wait_caught_up(self.stalled.pop())
             self.stalled_waiting = 0
+
+    @staticmethod
+    async def _wait_caught_up(response: StreamingResponse) -> None:
+        """Until the client has taken what was waiting for it (or the response is over)."""
+        if response.done or not response.sink.backlogged:
+            return
+        caught_up = trio.Event()
+        response.on_caught_up = caught_up.set
+        await caught_up.wait()
 
     def engine_stats_ages(self, now: float) -> list[tuple[EngineStats, float]]:
         """Each engine's latest stats with their age in seconds (``now``: trio clock)."""

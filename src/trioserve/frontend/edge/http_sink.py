@@ -2,8 +2,7 @@
 
 h11 owns the connection's state: it produces the response head and the terminating chunk, and it has
 decided the body framing (chunked for HTTP/1.1 peers, close-delimited for HTTP/1.0). Between the two,
-this sink frames each SSE event as one chunk itself — the same bytes h11 would write, for a tenth of the
-cost — because h11's ``send(Data)`` costs ~5 µs per event, a fifth of the per-token budget.
+each SSE event is framed as one chunk by ``protocol/sse.py`` (its rules say why not by h11).
 
 Writes are ``socket.send`` calls that never block: whatever the kernel does not take stays in
 ``_buf`` and wakes the connection task, which waits for the socket to become writable and drains it.
@@ -16,14 +15,9 @@ import socket
 import h11
 import trio
 
-from trioserve.frontend.sinks import InterruptWaker, Sink
-
-_SSE_HEADERS = [
-    (b"content-type", b"text/event-stream; charset=utf-8"),
-    (b"cache-control", b"no-cache"),
-    (b"x-accel-buffering", b"no"),
-]
-_DONE = b"data: [DONE]\n\n"
+from trioserve.frontend.edge.sinks import InterruptWaker, Sink
+from trioserve.protocol import sse
+from trioserve.protocol.sse import EVENT_CHUNK, EVENT_FRAMING
 
 
 def send_or_buffer(sock: socket.socket, buf: bytearray, data: bytes) -> bool | None:
@@ -80,7 +74,7 @@ class HttpSink(Sink):
 
     @property
     def backlog_bytes(self) -> int:
-        """Bytes written but not yet taken by the kernel (the peer is behind)."""
+        """Gauge: bytes written but not yet taken by the kernel (the peer is behind)."""
         return len(self._buf)
 
     @property
@@ -89,26 +83,22 @@ class HttpSink(Sink):
 
     def _head(self) -> bytes:
         self._head_sent = True
-        return self._conn.send(h11.Response(status_code=200, headers=_SSE_HEADERS)) or b""
+        return self._conn.send(h11.Response(status_code=200, headers=sse.HEADERS)) or b""
 
     def events(self, payloads: list[bytes]) -> None:
-        if self._chunked:
-            # One chunk per event: "<hex len>\r\ndata: <json>\n\n\r\n"; 8 = len("data: ") + len("\n\n").
-            data = b"".join([b"%x\r\ndata: %b\n\n\r\n" % (len(p) + 8, p) for p in payloads])
-        else:
-            data = b"".join([b"data: %b\n\n" % p for p in payloads])
+        data = sse.events(payloads, self._chunked)
         self._write(data if self._head_sent else self._head() + data)
 
     def event(self, payload: bytes) -> None:
         if self._chunked and self._head_sent:
-            self._write(b"%x\r\ndata: %b\n\n\r\n" % (len(payload) + 8, payload))
+            # The per-token path: ``sse.event_chunk`` inlined (no call per token).
+            self._write(EVENT_CHUNK % (len(payload) + EVENT_FRAMING, payload))
         else:
             self.events([payload])
 
     def end(self) -> None:
-        done = b"%x\r\n%b\r\n" % (len(_DONE), _DONE) if self._chunked else _DONE
         head = b"" if self._head_sent else self._head()
-        self._write(head + done + (self._conn.send(h11.EndOfMessage()) or b""))
+        self._write(head + sse.done(self._chunked) + (self._conn.send(h11.EndOfMessage()) or b""))
 
     def full(self, status: int, body: bytes, *, close: bool = False, retry_after: int | None = None) -> None:
         conn = self._conn

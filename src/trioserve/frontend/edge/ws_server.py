@@ -3,48 +3,42 @@
 ``WsSession`` is the protocol of one socket (requests, cancels, ids, final messages). A WebSocket
 upgrade of ``/v1/ws`` (the first request on a connection or a later one) is carried here, on the accept
 loop's socket, the way the HTTP fast path carries SSE: the output handler writes each message (one
-unmasked text frame, framed by hand) with a non-blocking ``send``, so no task wakes per token. Whatever
-the kernel does not take waits in the connection's buffer; while it is non-empty every request on the
-socket is backlogged and merges its deltas (or queues, stalls, aborts: ``--stream-policy``), and a
-drain task sends the rest once the socket is writable, then lets the merged deltas out. A reader task
-parses the client's frames with wsproto (masking, fragments, ping, close), so cancels and EOF are seen
-even while the writer is behind.
+unmasked text frame: ``protocol/ws_frames.py``) with a non-blocking ``send``, so no task wakes per
+token. Whatever the kernel does not take waits in the connection's buffer; while it is non-empty every
+request on the socket is backlogged and merges its deltas (or queues, stalls, aborts:
+``--stream-policy``), and a drain task sends the rest once the socket is writable, then reports the
+socket drained (each request's sink lets its merged deltas out). A reader task parses the client's
+frames with wsproto (masking, fragments, ping, close), so cancels and EOF are seen even while the
+writer is behind.
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import hashlib
 import logging
 import socket
 from collections.abc import Awaitable, Callable
 
-import h11
 import msgspec
 import trio
 from wsproto.connection import Connection, ConnectionType
 from wsproto.events import BytesMessage, CloseConnection, Ping, TextMessage
 from wsproto.utilities import LocalProtocolError
 
-from trioserve.frontend.chunks import Kind
-from trioserve.frontend.errors import ApiError, error_body
-from trioserve.frontend.http_server import Upgrade
-from trioserve.frontend.http_sink import send_all, send_or_buffer
-from trioserve.frontend.responses import Response
+from trioserve.frontend.edge.http_server import Upgrade
+from trioserve.frontend.edge.http_sink import send_all, send_or_buffer
+from trioserve.frontend.edge.ws_sinks import WsSink, WsWriter
+from trioserve.frontend.output.chunks import Kind
+from trioserve.frontend.output.responses import Response
+from trioserve.frontend.request.errors import ApiError, error_body
 from trioserve.frontend.serving import Serving
-from trioserve.frontend.ws_sinks import WsSink, WsWriter
-from trioserve.sync import Waker
+from trioserve.protocol.ws_frames import GOING_AWAY, NO_ID, error_message, text_frame, upgrade_response
+from trioserve.runtime.sync import Waker
 
 WS_PATH = b"/v1/ws"
-_GET_WS = b"GET " + WS_PATH
-_GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"  # RFC 6455 section 1.3
 _RECV = 65536
 CLOSE_FLUSH = 1.0  # seconds a stopping server spends getting its close frame (and what precedes it) out
 READ_PAUSE_BYTES = 256 * 1024  # output waiting for the client beyond which its messages wait too
-_MAX_HEAD = 64 * 1024
-# Close frame, code 1001 with its reason (RFC 6455 5.5.1: code, then UTF-8 text; 125 bytes at most).
-_GOING_AWAY = b"\x88%c\x03\xe9%b" % (2 + len(b"the server is shutting down"), b"the server is shutting down")
 
 
 class WsRequest(msgspec.Struct, tag_field="type", tag="request"):
@@ -103,8 +97,7 @@ class WsSession:
 
     def refuse(self, status: int, message: str) -> None:
         """An error for a message that names no request (``"id": null``); the socket stays open."""
-        error = msgspec.json.decode(error_body(status, message))["error"]
-        self._out.send(msgspec.json.encode({"type": "error", "id": None, "status": status, "error": error}))
+        self._out.send(error_message(NO_ID, status, error_body(status, message)))
 
     async def _start(self, msg: WsRequest, sink: WsSink) -> None:
         kind = _ENDPOINTS.get(msg.endpoint)
@@ -135,70 +128,17 @@ class WsSession:
 
     def drained(self) -> None:
         """The socket caught up: what each request merged meanwhile goes out now."""
-        for response, _ in list(self.running.values()):
-            response.on_drained()
+        for _, sink in list(self.running.values()):
+            sink.drained()
 
     def close(self) -> None:
         """The socket is gone (its writer drops messages from now on): cancel what still runs."""
         running = list(self.running.values())
         self.running.clear()
-        for response, _ in running:
-            response.on_drained()  # releases an output handler that waits for it (``stall``)
+        for response, sink in running:
+            sink.drained()  # gone counts as drained: releases an output handler waiting on it (``stall``)
             if not response.done:
                 self._serving.cancel(response)
-
-
-def text_frame(message: bytes) -> bytes:
-    """One final, unmasked text frame (servers never mask)."""
-    n = len(message)
-    if n < 126:
-        return b"\x81%c%b" % (n, message)
-    if n < 65536:
-        return b"\x81\x7e%c%c%b" % (n >> 8, n & 0xFF, message)
-    return b"\x81\x7f%b%b" % (n.to_bytes(8, "big"), message)
-
-
-def accept_key(key: bytes) -> bytes:
-    """The ``Sec-WebSocket-Accept`` answer to ``Sec-WebSocket-Key: key``."""
-    return base64.b64encode(hashlib.sha1(key + _GUID).digest())
-
-
-def upgrade_response(prefix: bytes) -> tuple[bytes, bytes] | None:
-    """If ``prefix`` (the bytes read so far) is a WebSocket upgrade of ``/v1/ws``: the ``101``
-    response and the bytes after the request. None for anything else (the accept loop answers it)."""
-    if not (prefix.startswith(_GET_WS) and prefix[len(_GET_WS) : len(_GET_WS) + 1] in (b" ", b"?")):
-        return None
-    conn = h11.Connection(h11.SERVER, max_incomplete_event_size=_MAX_HEAD)
-    conn.receive_data(prefix)
-    try:
-        request = conn.next_event()
-        end = conn.next_event()
-    except h11.RemoteProtocolError:
-        return None
-    if not isinstance(request, h11.Request) or not isinstance(end, h11.EndOfMessage):
-        return None
-    headers = dict(request.headers)  # h11 lower-cases names
-    tokens = [t.strip().lower() for t in headers.get(b"connection", b"").split(b",")]
-    key = headers.get(b"sec-websocket-key")
-    if (
-        b"upgrade" not in tokens
-        or headers.get(b"upgrade", b"").lower() != b"websocket"
-        or headers.get(b"sec-websocket-version") != b"13"
-        or not key
-    ):
-        return None
-    head = conn.send(
-        h11.InformationalResponse(
-            status_code=101,
-            reason=b"Switching Protocols",
-            headers=[
-                (b"upgrade", b"websocket"),
-                (b"connection", b"Upgrade"),
-                (b"sec-websocket-accept", accept_key(key)),
-            ],
-        )
-    )
-    return head or b"", conn.trailing_data[0]
 
 
 class WsConnection(WsWriter):
@@ -206,14 +146,14 @@ class WsConnection(WsWriter):
 
     __slots__ = ("_buf", "_caught_up", "_max_message", "_serving", "_session", "_sock", "_waker", "closed")
 
-    def __init__(self, sock: socket.socket, serving: Serving) -> None:
+    def __init__(self, sock: socket.socket, serving: Serving, max_request_body_bytes: int) -> None:
         self._sock = sock
         self._serving = serving
         self._buf = bytearray()  # bytes the kernel has not taken yet
         self._waker = Waker()  # wakes the drain task when ``_buf`` fills or the socket failed
         self._caught_up = Waker()  # wakes a paused reader when ``_buf`` fell below READ_PAUSE_BYTES
         self._session: WsSession | None = None
-        self._max_message = serving.config.max_request_body_bytes + 65536
+        self._max_message = max_request_body_bytes + 65536
         self.closed = False  # the socket failed: writes are dropped
 
     @property
@@ -222,7 +162,7 @@ class WsConnection(WsWriter):
 
     @property
     def backlog_bytes(self) -> int:
-        """Bytes written but not yet taken by the kernel (the client is behind)."""
+        """Gauge: bytes written but not yet taken by the kernel (the client is behind)."""
         return len(self._buf)
 
     def send(self, message: bytes) -> None:
@@ -257,7 +197,7 @@ class WsConnection(WsWriter):
                 # The server is stopping: the close frame goes out behind what is still buffered
                 # (the error chunks drain just wrote, say), for at most CLOSE_FLUSH seconds.
                 with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_FLUSH):
-                    await send_all(self._sock, bytes(self._buf) + _GOING_AWAY)
+                    await send_all(self._sock, bytes(self._buf) + GOING_AWAY)
             self.closed = True
             if self._session is not None:
                 self._session.close()
@@ -345,19 +285,19 @@ class WsConnection(WsWriter):
         scope.cancel()
 
 
-def websocket_upgrade(serving: Serving) -> Upgrade:
+def websocket_upgrade(serving: Serving, max_request_body_bytes: int) -> Upgrade:
     """The accept loop's ``/v1/ws`` handler: for a valid upgrade, the ``WsConnection`` session to run
     on the same socket (it closes the socket when it ends); None for anything else (nothing written,
     the accept loop answers it)."""
 
     def upgrade(sock: socket.socket, prefix: bytes) -> Callable[[], Awaitable[None]] | None:
-        response = upgrade_response(prefix)
+        response = upgrade_response(prefix, WS_PATH)
         if response is None:
             return None
 
         async def session() -> None:
             try:
-                await WsConnection(sock, serving).run(*response)
+                await WsConnection(sock, serving, max_request_body_bytes).run(*response)
             finally:
                 trio.lowlevel.notify_closing(sock)
                 sock.close()

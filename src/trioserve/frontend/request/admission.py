@@ -32,23 +32,13 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
+from trioserve.config import AdmissionConfig
 from trioserve.frontend.engine_health import Stall
-from trioserve.frontend.errors import ApiError
+from trioserve.frontend.request.errors import ApiError
 from trioserve.protocol.messages import HEARTBEAT_INTERVAL, EngineStats
 
 STATS_MAX_AGE = 3 * HEARTBEAT_INTERVAL  # seconds; older engine stats are unknown
-
-
-@dataclass(frozen=True, slots=True)
-class AdmissionLimits:
-    max_concurrent_requests: int = 0  # 0: no limit
-    max_pending_renders: int = 0  # 0: no limit
-    max_num_seqs_waiting: int = 0  # 0: no limit
-    max_loop_lag: float = 0.0  # seconds; 0: no shedding
-    max_output_delay: float = 0.0  # seconds; 0: no shedding
-    retry_after: int = 1
 
 
 class DelayGate:
@@ -95,8 +85,10 @@ class Ticket:
 
 
 class Admission:
-    def __init__(self, limits: AdmissionLimits) -> None:
+    def __init__(self, limits: AdmissionConfig, retry_after: int = 1) -> None:
+        """``limits``: a 0 turns that limit off. ``retry_after``: the refusals' Retry-After (s)."""
         self.limits = limits
+        self.retry_after = retry_after
         self.in_flight = 0
         self.rendering = 0
         self.engine_waiting = 0  # from the engines' latest stats that are not stale
@@ -105,7 +97,7 @@ class Admission:
         self.loop_lag = 0.0  # seconds, from the loop-lag monitor
         # How long engine output produced now would wait before the output handler takes it
         # (seconds): the caller feeds the estimate (``observe_output_delay``) before each ``admit``.
-        self.output_delay = DelayGate(limits.max_output_delay)
+        self.output_delay = DelayGate(limits.max_output_delay_ms / 1e3)
         self.rejected: Counter[str] = Counter()  # by reason
 
     def observe_output_delay(self, delay: float) -> None:
@@ -119,7 +111,7 @@ class Admission:
 
     def _refuse(self, status: int, reason: str, message: str) -> ApiError:
         self.rejected[reason] += 1
-        return ApiError(status, message, retry_after=self.limits.retry_after)
+        return ApiError(status, message, retry_after=self.retry_after)
 
     def admit(self) -> Ticket:
         """A slot for a new request, or the ApiError (429/503) that refuses it."""
@@ -127,12 +119,13 @@ class Admission:
         stall = self.engine_stall
         if stall is not None:
             raise self._refuse(503, "engine_stalled", f"server unavailable: {stall.message}; retry later")
-        if lim.max_loop_lag and self.loop_lag > lim.max_loop_lag:
+        max_lag = lim.max_loop_lag_ms / 1e3
+        if max_lag and self.loop_lag > max_lag:
             raise self._refuse(
                 503,
                 "loop_lag",
                 f"server overloaded: its event loop is {self.loop_lag * 1e3:.0f} ms behind "
-                f"(limit {lim.max_loop_lag * 1e3:.0f} ms); retry later",
+                f"(limit {lim.max_loop_lag_ms:.0f} ms); retry later",
             )
         gate = self.output_delay
         if gate.shut:
@@ -140,8 +133,8 @@ class Admission:
                 503,
                 "output_delay",
                 f"server overloaded: engine output waits {gate.delay * 1e3:.0f} ms here before reaching "
-                f"clients (budget {lim.max_output_delay * 1e3:.0f} ms; new requests are refused until it "
-                f"is under {lim.max_output_delay * gate.resume * 1e3:.0f} ms); retry later",
+                f"clients (budget {lim.max_output_delay_ms:.0f} ms; new requests are refused until it "
+                f"is under {lim.max_output_delay_ms * gate.resume:.0f} ms); retry later",
             )
         if lim.max_concurrent_requests and self.in_flight >= lim.max_concurrent_requests:
             raise self._refuse(

@@ -13,8 +13,9 @@ from collections.abc import Callable
 
 import msgspec
 
-from trioserve.frontend.sinks import Sink
-from trioserve.sync import Waker
+from trioserve.frontend.edge.sinks import Sink
+from trioserve.protocol.ws_frames import CHUNK, done_message, error_message, response_message
+from trioserve.runtime.sync import Waker
 
 
 class WsWriter(ABC):
@@ -49,13 +50,11 @@ class _NoWake(Waker):
 
 
 _NO_WAKE = _NoWake()
-_CHUNK = b'{"type":"chunk","id":%b,"data":%b}'
 
 
 class WsSink(Sink):
-    """One request on a WebSocket. Messages (documented in docs/websocket.md):
-    ``{"type":"chunk","id":ID,"data":CHUNK}``, ``{"type":"done","id":ID}``,
-    ``{"type":"response","id":ID,"data":BODY}``, ``{"type":"error","id":ID,"status":S,"error":{...}}``.
+    """One request on a WebSocket: its output as the messages of docs/websocket.md (``chunk``s, then
+    one final ``done``, ``response`` or ``error``; ``protocol/ws_frames.py`` writes them).
     ``on_final`` is called once the final message is written.
     """
 
@@ -76,23 +75,21 @@ class WsSink(Sink):
         return self._out.backlogged
 
     def event(self, payload: bytes) -> None:
-        self._out.send(_CHUNK % (self._id, payload))
+        self._out.send(CHUNK % (self._id, payload))  # ``chunk_message``, inlined: the per-token path
 
     def events(self, payloads: list[bytes]) -> None:
         tag = self._id
-        self._out.send_many([_CHUNK % (tag, p) for p in payloads])
+        self._out.send_many([CHUNK % (tag, p) for p in payloads])
 
     def end(self) -> None:
-        self._out.send(b'{"type":"done","id":%b}' % self._id)
+        self._out.send(done_message(self._id))
         self._final()
 
     def full(self, status: int, body: bytes) -> None:
         if status == 200:
-            self._out.send(b'{"type":"response","id":%b,"data":%b}' % (self._id, body))
+            self._out.send(response_message(self._id, body))
         else:
-            error = msgspec.json.decode(body)["error"]
-            message = b'{"type":"error","id":%b,"status":%d,"error":%b}'
-            self._out.send(message % (self._id, status, msgspec.json.encode(error)))
+            self._out.send(error_message(self._id, status, body))
         self._final()
 
     def _final(self) -> None:

@@ -1,0 +1,57 @@
+"""What one engine step asks of the model runner: the scheduler's output, as it crosses the
+shared-memory ring to every worker (``engine/scheduler.py`` says how it is built).
+
+Block-table format: a request scheduled for the first time (or the first time since it was preempted,
+when the runner has dropped it) comes in ``new_requests`` with its whole block table and its sampling
+params; a request the runner already knows comes in ``running_requests`` with only the block ids
+appended this step (the runner keeps each table and extends it). Both carry the exact token ids to
+compute this step and the position of the first one (``num_computed_tokens``).
+
+msgspec Structs, ``array_like`` and ``gc=False``: a step is encoded once per step on the hot path.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from trioserve.protocol.messages import SamplingParams
+
+
+class NewRequestData(msgspec.Struct, array_like=True, gc=False):
+    """A request the runner does not know yet (first scheduling, or resumed after preemption)."""
+
+    request_id: str
+    token_ids: list[int]  # the tokens to compute this step, at positions num_computed_tokens, +1, ...
+    num_computed_tokens: int  # tokens whose KV is already in the blocks (a prefix-cache hit)
+    block_ids: list[int]  # the whole block table
+    sampling: SamplingParams
+    samples: bool  # this chunk reaches the last known token: the step's sample is the next output
+    # For the sampler: where the outputs start (output index = position of the sampled token minus
+    # this, stable across preemption, which keeps seeded sampling reproducible) and the EOS that
+    # min_tokens suppresses.
+    num_prompt_tokens: int = 0
+    eos_token_id: int | None = None
+
+
+class RunningRequestData(msgspec.Struct, array_like=True, gc=False):
+    """A request the runner already holds (it keeps its block table and sampling params)."""
+
+    request_id: str
+    token_ids: list[int]  # the tokens to compute this step (one, the last sampled, when decoding)
+    num_computed_tokens: int
+    new_block_ids: list[int]  # appended to the runner's block table for this request
+    samples: bool
+
+
+class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):
+    step: int
+    new_requests: list[NewRequestData]
+    running_requests: list[RunningRequestData]
+    num_scheduled_tokens: dict[str, int]  # request_id -> tokens computed this step
+    total_num_scheduled_tokens: int
+    preempted_request_ids: list[str]  # dropped by the runner: they will come back as new requests
+    finished_request_ids: list[str]  # finished or aborted since the last step: the runner forgets them
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
