@@ -12,11 +12,11 @@ from trioserve.config import EngineProcessConfig, ServeConfig, setting_names
 
 
 def _dests(parser: argparse.ArgumentParser) -> list[str]:
-    return [a.dest for a in parser._actions if a.dest not in ("help", "config_json")]  # noqa: SLF001
+    return [a.dest for a in parser._actions if a.dest not in ("help", "config_json")]
 
 
 def _subparser(name: str) -> argparse.ArgumentParser:
-    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     parser = sub.choices[name]
     assert isinstance(parser, argparse.ArgumentParser)
     return parser

@@ -45,6 +45,8 @@ PURE = [
     "trioserve.protocol.step",
     "trioserve.protocol.worker_messages",
     "trioserve.protocol.ring_layout",
+    "trioserve.protocol.sse",
+    "trioserve.protocol.ws_frames",
     "trioserve.engine.block_hash",
     "trioserve.engine.kv_ledger",
     "trioserve.engine.request",
@@ -54,6 +56,8 @@ PURE = [
     "trioserve.frontend.text.stop_strings",
     "trioserve.frontend.request.admission",
     "trioserve.frontend.engine_health",
+    "trioserve.frontend.output.responses",
+    "trioserve.frontend.output.chunks",
 ]
 
 
@@ -63,8 +67,8 @@ def _package(module: str) -> str:
     return parts[1] if len(parts) > 1 else ""
 
 
-def _module_name(path: Path) -> str:
-    rel = path.relative_to(SRC.parent).with_suffix("")
+def _module_name(path: Path, src: Path) -> str:
+    rel = path.relative_to(src.parent).with_suffix("")
     parts = list(rel.parts)
     if parts[-1] == "__init__":
         parts.pop()
@@ -85,13 +89,13 @@ def _imports(path: Path) -> list[tuple[int, str]]:
     return found
 
 
-def _violations() -> list[str]:
+def _violations(src: Path = SRC) -> list[str]:
     out: list[str] = []
-    for path in sorted(SRC.rglob("*.py")):
-        here = _package(_module_name(path))
+    for path in sorted(src.rglob("*.py")):
+        here = _package(_module_name(path, src))
         if here not in LAYERS:
             if here:
-                out.append(f"{path.relative_to(SRC)}: package {here!r} has no layer in this test")
+                out.append(f"{path.relative_to(src)}: package {here!r} has no layer in this test")
             continue
         for line, target in _imports(path):
             there = _package(target)
@@ -100,7 +104,7 @@ def _violations() -> list[str]:
             if (here, there) in BELOW:
                 continue
             if LAYERS[there] >= LAYERS[here]:
-                out.append(f"{path.relative_to(SRC)}:{line}: {here} (layer {LAYERS[here]}) imports {target}")
+                out.append(f"{path.relative_to(src)}:{line}: {here} (layer {LAYERS[here]}) imports {target}")
     return out
 
 
@@ -108,12 +112,25 @@ def test_imports_only_go_down() -> None:
     assert _violations() == []
 
 
-def test_the_rule_catches_an_upward_import(tmp_path: Path) -> None:
-    """The checker itself: an engine module importing the frontend is reported."""
-    bad = tmp_path / "bad.py"
-    bad.write_text("from trioserve.frontend.api_server import ApiServer\n")
-    assert _imports(bad) == [(1, "trioserve.frontend.api_server")]
-    assert LAYERS["frontend"] >= LAYERS["engine"]
+def test_the_rule_catches_upward_and_sideways_imports(tmp_path: Path) -> None:
+    """The checker itself, on a made-up tree: upward, sideways and lazy imports are reported; a
+    downward one and one inside the package are not."""
+    src = tmp_path / "trioserve"
+    files = {
+        "engine/bad.py": "from trioserve.frontend.api_server import ApiServer\n",
+        "protocol/bad.py": "def f():\n    import trioserve.engine.scheduler\n",
+        "config.py": "from trioserve.protocol import messages\n",
+        "engine/good.py": "from trioserve.protocol import messages\nfrom trioserve.engine import bad\n",
+        "protocol/good.py": "from trioserve.config import ServeConfig\n",
+    }
+    for name, text in files.items():
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        (src / name).write_text(text)
+    assert _violations(src) == [
+        "config.py:1: config (layer 0) imports trioserve.protocol",
+        "engine/bad.py:1: engine (layer 3) imports trioserve.frontend.api_server",
+        "protocol/bad.py:2: protocol (layer 0) imports trioserve.engine.scheduler",
+    ]
 
 
 @pytest.mark.parametrize("module", PURE)

@@ -10,11 +10,10 @@ import pytest
 from trioserve.config import EngineProcessConfig, override
 from trioserve.engine.main import scheduler_config
 from trioserve.engine.scheduler import SchedulerConfig
-from trioserve.engine.worker_executor import WorkerExecutorConfig, step_slot_bytes, worker_command
-from trioserve.frontend.request.validate import MAX_STOP_TOKEN_IDS
-from trioserve.protocol.messages import SamplingParams
+from trioserve.engine.worker_executor import WorkerExecutorConfig, worker_command
+from trioserve.protocol.messages import MAX_STOP_TOKEN_IDS, SamplingParams
 from trioserve.protocol.ring_layout import RingHandle
-from trioserve.protocol.step import NewRequestData, SchedulerOutput
+from trioserve.protocol.step import NewRequestData, SchedulerOutput, step_slot_bytes
 from trioserve.protocol.worker_messages import WorkerLaunch, WorkerStep
 
 

@@ -37,7 +37,7 @@ from trioserve.config import EngineProcessConfig, WorkerConfig
 from trioserve.engine.executor import ExecutorFailed
 from trioserve.protocol.codec import ProtocolError
 from trioserve.protocol.ring_layout import RingHandle
-from trioserve.protocol.step import SchedulerOutput
+from trioserve.protocol.step import SchedulerOutput, step_slot_bytes
 from trioserve.protocol.worker_messages import (
     StepResult,
     WorkerFailed,
@@ -106,18 +106,6 @@ class WorkerExecutorConfig:
             rank=rank,
             log_level=self.log_level,
         )
-
-
-def step_slot_bytes(
-    max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int
-) -> int:
-    """An upper bound on one encoded ``SchedulerOutput``, rounded up to a MiB: msgpack ints take at most
-    5 bytes here; per request a block table, and 1 KiB for its id (three times: new, scheduled,
-    finished), sampling parameters (the API server allows at most 128 stop token ids, 640 bytes) and
-    framing."""
-    per_request = 1024 + 5 * (-(-max_model_len // block_size))
-    bound = 5 * max_num_batched_tokens + max_num_seqs * per_request + 4096
-    return -(-bound // (1 << 20)) * (1 << 20)
 
 
 class WorkerExecutor:

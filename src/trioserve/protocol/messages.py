@@ -85,6 +85,12 @@ HandshakeMessage = EngineHello | Welcome | EngineReady
 # --------------------------------------------------------------------------------------------------
 
 
+# The most stop token ids a request may carry (the API server refuses more with a 400): every step
+# carries each new request's sampling parameters, and the worker ring's slot is sized for this many
+# (``protocol.step.step_slot_bytes``).
+MAX_STOP_TOKEN_IDS = 128
+
+
 class SamplingParams(_Wire):
     max_tokens: int
     temperature: float = 1.0

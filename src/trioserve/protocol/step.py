@@ -55,3 +55,15 @@ class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+
+
+def step_slot_bytes(
+    max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int
+) -> int:
+    """An upper bound on one encoded ``SchedulerOutput``, rounded up to a MiB: msgpack ints take at most
+    5 bytes here; per request a block table, and 1 KiB for its id (three times: new, scheduled,
+    finished), sampling parameters (at most ``MAX_STOP_TOKEN_IDS`` stop token ids, 640 bytes) and
+    framing."""
+    per_request = 1024 + 5 * (-(-max_model_len // block_size))
+    bound = 5 * max_num_batched_tokens + max_num_seqs * per_request + 4096
+    return -(-bound // (1 << 20)) * (1 << 20)

@@ -24,13 +24,10 @@ from trioserve.frontend.request.openai_schema import (
     _Sampling,
 )
 from trioserve.frontend.text.stop_strings import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
-from trioserve.protocol.messages import SamplingParams
+from trioserve.protocol.messages import MAX_STOP_TOKEN_IDS, SamplingParams
 
 T = TypeVar("T")
 
-# Every step the engine sends carries each new request's sampling parameters, and the worker ring's
-# slot is sized for at most this many stop ids per request (engine/worker_executor.step_slot_bytes).
-MAX_STOP_TOKEN_IDS = 128
 _INT64 = 2**63
 # Free-form JSON the server hands on (``chat_template_kwargs`` reaches the template as variables) is
 # nested at most this deep; deeper is a 400, never a RecursionError somewhere downstream.
