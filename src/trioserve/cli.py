@@ -28,7 +28,6 @@ from trioserve.config import (
     ModelConfig,
     RequestConfig,
     ServeConfig,
-    StreamPolicy,
     StreamsConfig,
     SupervisorConfig,
     WorkerConfig,
@@ -42,42 +41,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
-
-
-def _port(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a TCP port (0-65535), got {text}")
-    return value
-
-
-def _stream_policy(text: str) -> str:
-    try:
-        StreamPolicy.parse(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
 
 
 def _choices(section: type[msgspec.Struct], name: str) -> list[str]:
@@ -95,55 +58,69 @@ class _Group:
         self._section = section
         self._group = parser.add_argument_group(section.__name__.removesuffix("Config").lower())
 
-    def add(self, flag: str, name: str, help: str = "", choices: bool | list[str] = False, **kw: Any) -> None:
-        """``choices``: True takes them from the setting's ``Literal`` type."""
-        default = getattr(self._defaults, name)
-        shown = " ".join(default) if isinstance(default, tuple) else default
+    def add(
+        self,
+        flag: str,
+        name: str,
+        help: str = "",
+        choices: bool | list[str] = False,
+        shown: str | None = None,
+        **kw: Any,
+    ) -> None:
+        """``choices``: True takes them from the setting's ``Literal`` type; ``shown``: the default as
+        ``--help`` words it, when the value itself says nothing (None, empty)."""
+        if shown is None:
+            default = getattr(self._defaults, name)
+            shown = " ".join(default) if isinstance(default, tuple) else str(default)
         text = f"{help} (default: {shown})" if help else f"default: {shown}"
         if choices:
             kw["choices"] = _choices(self._section, name) if choices is True else choices
         self._group.add_argument(flag, dest=name, default=argparse.SUPPRESS, help=text, **kw)
 
 
-def _model_flags(p: argparse.ArgumentParser, positional: bool) -> None:
+def _model_flags(p: argparse.ArgumentParser, *, serve: bool) -> None:
+    """``serve`` names the model as a positional, and takes the names and tokenizer only the API
+    server reads."""
     g = _Group(ModelConfig, p)
-    if positional:
+    if serve:
         p.add_argument(
             "model", nargs="?", default=argparse.SUPPRESS, help="Hugging Face folder (default: embedded)"
         )
+        g.add("--tokenizer", "tokenizer", "Hugging Face tokenizer folder", shown="the model's, or Qwen3's")
+        g.add(
+            "--served-model-name",
+            "served_model_name",
+            nargs="+",
+            type=str,
+            shown="the model folder, or the engine's name",
+        )
     else:
-        g.add("--model", "model", "Hugging Face folder to run (--engine model; default: embedded)")
-    g.add("--tokenizer", "tokenizer", "Hugging Face tokenizer folder")
-    g.add("--served-model-name", "served_model_name", nargs="+", type=str)
-    g.add("--max-model-len", "max_model_len", type=_positive)
-    g.add("--vocab-size", "vocab_size", "mock and reference engines' vocabulary", type=_positive)
+        g.add("--model", "model", "Hugging Face folder to run (--engine model)", shown="the embedded model")
+    g.add("--max-model-len", "max_model_len", type=int)
+    g.add("--vocab-size", "vocab_size", "mock and reference engines' vocabulary", type=int)
 
 
 def _frontend_flags(p: argparse.ArgumentParser) -> None:
     g = _Group(HttpConfig, p)
     g.add("--host", "host")
-    g.add("--port", "port", type=_port)
-    g.add("--max-request-body-bytes", "max_request_body_bytes", type=_positive)
+    g.add("--port", "port", type=int)
+    g.add("--max-request-body-bytes", "max_request_body_bytes", type=int)
     g.add(
         "--max-connections",
         "max_connections",
         "client connections an API server holds open; one more is closed at once "
         "(counted in /metrics as trioserve:connections_refused_total). 0: no limit",
-        type=_non_negative,
+        type=int,
     )
     g = _Group(AdmissionConfig, p)
     g.add(
         "--max-concurrent-requests",
         "max_concurrent_requests",
         "per API server; 0 = no limit (429)",
-        type=_non_negative,
+        type=int,
     )
-    g.add(
-        "--max-pending-renders", "max_pending_renders", "requests queued to render (503)", type=_non_negative
-    )
-    g.add(
-        "--max-num-seqs-waiting", "max_num_seqs_waiting", "engine waiting-queue cap (503)", type=_non_negative
-    )
+    g.add("--max-pending-renders", "max_pending_renders", "requests queued to render (503)", type=int)
+    g.add("--max-num-seqs-waiting", "max_num_seqs_waiting", "engine waiting-queue cap (503)", type=int)
     g.add(
         "--max-loop-lag-ms", "max_loop_lag_ms", "shed new requests above this loop lag; 0 = off", type=float
     )
@@ -155,21 +132,18 @@ def _frontend_flags(p: argparse.ArgumentParser) -> None:
         type=float,
     )
     g = _Group(RequestConfig, p)
-    g.add("--max-n", "max_n", "largest accepted `n`", type=_positive)
-    g.add(
-        "--renderer-num-workers", "renderer_num_workers", "threads; 0 = on the event loop", type=_non_negative
-    )
+    g.add("--max-n", "max_n", "largest accepted `n`", type=int)
+    g.add("--renderer-num-workers", "renderer_num_workers", "threads; 0 = on the event loop", type=int)
     g = _Group(StreamsConfig, p)
-    g.add("--output-queue-size", "output_queue_size", "engine steps", type=_positive)
+    g.add("--output-queue-size", "output_queue_size", "engine steps", type=int)
     g.add("--output-queue-policy", "output_queue_policy", choices=True)
     g.add(
         "--stream-policy",
         "stream_policy",
         "what a response does when its client is slower than the engine",
-        type=_stream_policy,
         metavar="{merge,queue:N,stall,abort-slow-client}",
     )
-    g.add("--slow-client-max-tokens", "slow_client_max_tokens", type=_positive)
+    g.add("--slow-client-max-tokens", "slow_client_max_tokens", type=int)
     g = _Group(SupervisorConfig, p)
     g.add("--shutdown-timeout", "shutdown_timeout", type=float)
     g.add("--engine-ready-timeout", "engine_ready_timeout", type=float)
@@ -196,41 +170,46 @@ def _engine_flags(p: argparse.ArgumentParser, *, serve: bool) -> None:
         "reference executor" + ("; external: wait for engine cores at --handshake-address" if serve else ""),
         choices=kinds if serve else [k for k in kinds if k != "external"],
     )
-    g.add("--handshake-address", "handshake_address", "ZMQ address engine cores join")
+    g.add(
+        "--handshake-address",
+        "handshake_address",
+        "ZMQ address engine cores join",
+        shown="the API server's own",
+    )
     if not serve:
-        g.add("--engine-index", "engine_index", type=_non_negative)
-    g.add("--max-num-seqs", "max_num_seqs", type=_positive)
+        g.add("--engine-index", "engine_index", type=int)
+    g.add("--max-num-seqs", "max_num_seqs", type=int)
     g.add(
         "--max-num-batched-tokens",
         "max_num_batched_tokens",
         "tokens per engine step; longer prompts are prefilled in chunks between decodes",
-        type=_positive,
+        type=int,
     )
-    g.add("--block-size", "block_size", type=_positive)
+    g.add("--block-size", "block_size", type=int)
     g.add(
         "--num-gpu-blocks-override",
         "num_gpu_blocks_override",
         "KV blocks in the pool (0: model: what --kv-cache-gib holds; reference: 4096)",
-        type=_non_negative,
+        type=int,
     )
     g.add("--scheduling-policy", "scheduling_policy", choices=True)
-    g.add("--engine-output-hwm", "engine_output_hwm", "steps; 0 = unbounded", type=_non_negative)
+    g.add("--engine-output-hwm", "engine_output_hwm", "steps; 0 = unbounded", type=int)
     g.add("--engine-output-policy", "engine_output_policy", choices=True)
-    g.add("--step-time-us", "step_time_us", "reference executor: time per forward", type=_non_negative)
+    g.add("--step-time-us", "step_time_us", "reference executor: time per forward", type=int)
     g = _Group(WorkerConfig, p)
     g.add("--device", "device", "model: cpu, cuda, cuda:N (auto: cuda when present)")
     g.add("--dtype", "dtype", "model weights and KV cache", choices=True)
-    g.add("--kv-cache-gib", "kv_cache_gib", "model: KV-cache memory", type=_positive_float)
-    g.add("--worker-threads", "worker_threads", "model: torch CPU threads (0: cores - 1)", type=_non_negative)
+    g.add("--kv-cache-gib", "kv_cache_gib", "model: KV-cache memory", type=float)
+    g.add("--worker-threads", "worker_threads", "model: torch CPU threads (0: cores - 1)", type=int)
     g.add(
         "--worker-step-timeout",
         "worker_step_timeout",
         "seconds before a hung step fails its engine (model), and before an engine core that "
         "sends nothing (stopped or hung) is killed and restarted (any engine)",
-        type=_positive_float,
+        type=float,
     )
     g = _Group(MockConfig, p)
-    g.add("--step-interval-us", "step_interval_us", "mock engine step clock", type=_non_negative)
+    g.add("--step-interval-us", "step_interval_us", "mock engine step clock", type=int)
     g.add("--mock-seed", "mock_seed", "mock engine random seed", type=int)
 
 
@@ -248,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     serve = sub.add_parser("serve", help="run the OpenAI-compatible API server and its engine")
-    _model_flags(serve, positional=True)
+    _model_flags(serve, serve=True)
     _frontend_flags(serve)
     _engine_flags(serve, serve=True)
     _log_flag(serve)
@@ -258,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("mock-engine", "engine-core --engine mock"),
     ):
         core = sub.add_parser(name, help=help_text)
-        _model_flags(core, positional=False)
+        _model_flags(core, serve=False)
         _engine_flags(core, serve=False)
         _log_flag(core)
         core.add_argument("--config-json", default=None, help=argparse.SUPPRESS)  # from serve
@@ -277,26 +256,45 @@ def _settings(ns: argparse.Namespace) -> dict[str, Any]:
 
 def serve_config(ns: argparse.Namespace) -> ServeConfig:
     config = override(ServeConfig(), **_settings(ns))
-    if config.engine.kind == "reference" and not config.model.served_model_name:
+    model = config.model
+    if config.engine.kind == "reference" and not model.served_model_name and model.model is None:
         config = override(config, served_model_name=("trioserve-reference",))
     return config
 
 
 def engine_process_config(ns: argparse.Namespace) -> EngineProcessConfig:
-    if ns.config_json is not None:
-        return decode_engine_process(ns.config_json)
     values = _settings(ns)
+    if ns.config_json is not None:
+        if values:
+            raise ValueError(
+                f"--config-json is the whole configuration; not also {_flag(next(iter(values)))}"
+            )
+        return decode_engine_process(ns.config_json)
     if ns.command == "mock-engine":
         values.setdefault("kind", "mock")
     # Started by hand, an engine core without --model runs the reference executor (as it always has).
     values.setdefault("kind", "model" if "model" in values else "reference")
-    return override(EngineProcessConfig(), **values)
+    config = override(EngineProcessConfig(), **values)
+    if not config.engine.handshake_address:
+        raise ValueError("the following arguments are required: --handshake-address")
+    if config.engine.kind == "model" and config.model.model is None:
+        raise ValueError("--engine model needs --model (a Hugging Face folder)")
+    return config
 
 
-def _fail(parser: argparse.ArgumentParser, check: Callable[[], object]) -> Any:
+def _flag(setting: str) -> str:
+    return "--engine" if setting == "kind" else "--" + setting.replace("_", "-")
+
+
+def _fail(parser: argparse.ArgumentParser, build: Callable[[], object]) -> Any:
+    """``build()``, or the one-line error that names the flag whose value the tree refused."""
     try:
-        return check()
-    except (TypeError, ValueError, msgspec.ValidationError) as exc:
+        return build()
+    except msgspec.ValidationError as exc:
+        # msgspec says where: "Expected `int` >= 1 - at `$.engine.max_num_seqs`".
+        message, _, where = str(exc).partition(" - at `$.")
+        parser.error(f"argument {_flag(where.rstrip('`').split('.')[-1])}: {message}" if where else message)
+    except (TypeError, ValueError) as exc:
         parser.error(str(exc))
 
 
@@ -312,8 +310,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_serve(config)
     if ns.command in ("engine-core", "mock-engine"):
         process: EngineProcessConfig = _fail(parser, lambda: engine_process_config(ns))
-        if not process.engine.handshake_address:
-            parser.error("the following arguments are required: --handshake-address")
         from trioserve.engine.main import run_engine_core
 
         return run_engine_core(process)

@@ -17,7 +17,7 @@ Rules:
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
@@ -25,8 +25,16 @@ EngineKind = Literal["model", "mock", "reference", "external"]
 EngineOutputPolicy = Literal["fold", "block"]  # when the engine's output HWM is reached: fold, or stall
 OutputQueuePolicy = Literal["coalesce", "block", "unbounded"]
 PolicyKind = Literal["merge", "queue", "stall", "abort-slow-client"]
+LogLevel = Literal["debug", "info", "warning", "error"]
 
 S = TypeVar("S", bound=msgspec.Struct)
+
+# Bounds checked wherever a tree is built (``override``, a child's ``decode_engine_process``).
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 
 
 class _Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -45,8 +53,8 @@ class ModelConfig(_Section, frozen=True):
     model: str | None = None  # a Hugging Face folder; None: the embedded default
     tokenizer: str | None = None  # a Hugging Face tokenizer folder; None: the model's, or Qwen3's
     served_model_name: tuple[str, ...] = ()  # empty: the model folder, or the engine's own name
-    max_model_len: int = 8192
-    vocab_size: int = 32000  # the mock and reference engines'; a model's own replaces it at start-up
+    max_model_len: Positive = 8192
+    vocab_size: Positive = 32000  # the mock and reference engines'; a model's own replaces it at start-up
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -65,27 +73,28 @@ class HttpConfig(_Section, frozen=True):
     """The edge: the listening socket, connections and request bodies."""
 
     host: str = "127.0.0.1"
-    port: int = 8000
-    max_request_body_bytes: int = 4 * 1024 * 1024
-    max_connections: int = 0  # connections an API server holds open; more are closed at once; 0: no limit
+    port: Port = 8000
+    max_request_body_bytes: Positive = 4 * 1024 * 1024
+    # Connections an API server holds open; one more is closed at once. 0: no limit.
+    max_connections: NonNegative = 0
 
 
 class AdmissionConfig(_Section, frozen=True):
     """Which requests an API server takes (``frontend/request/admission.py`` says which status each
     refusal gets and why)."""
 
-    max_concurrent_requests: int = 2048
-    max_pending_renders: int = 256
-    max_num_seqs_waiting: int = 1024
-    max_loop_lag_ms: float = 500.0
-    max_output_delay_ms: float = 200.0  # shed (503) while engine output waits longer here; 0 = off
+    max_concurrent_requests: NonNegative = 2048
+    max_pending_renders: NonNegative = 256
+    max_num_seqs_waiting: NonNegative = 1024
+    max_loop_lag_ms: NonNegativeFloat = 500.0
+    max_output_delay_ms: NonNegativeFloat = 200.0  # shed (503) while engine output waits longer here; 0 = off
 
 
 class RequestConfig(_Section, frozen=True):
     """The request path: validation limits and the renderer pool."""
 
-    max_n: int = 16
-    renderer_num_workers: int = 1  # threads; 0: render on the event loop
+    max_n: Positive = 16
+    renderer_num_workers: NonNegative = 1  # threads; 0: render on the event loop
 
 
 class StreamPolicy(msgspec.Struct, frozen=True):
@@ -124,10 +133,16 @@ class StreamsConfig(_Section, frozen=True):
     """Engine output to each client: the step queue between the output pump and the output handler,
     and each response's policy towards a slow client."""
 
-    output_queue_size: int = 2  # engine steps queued between the output pump and output handler
+    output_queue_size: Positive = 2  # engine steps queued between the output pump and output handler
     output_queue_policy: OutputQueuePolicy = "coalesce"
-    stream_policy: str = "merge"  # parsed (and checked at the edge) by ``policy``
-    slow_client_max_tokens: int = 256  # abort-slow-client: how far behind a client may fall
+    stream_policy: str = "merge"  # merge | queue:N | stall | abort-slow-client (``policy`` parses it)
+    slow_client_max_tokens: Positive = 256  # abort-slow-client: how far behind a client may fall
+
+    def __post_init__(self) -> None:
+        try:  # a bad value is refused where the tree is built
+            StreamPolicy.parse(self.stream_policy)
+        except ValueError as exc:
+            raise ValueError(f"stream_policy: {exc}") from None
 
     @property
     def policy(self) -> StreamPolicy:
@@ -137,8 +152,8 @@ class StreamsConfig(_Section, frozen=True):
 class SupervisorConfig(_Section, frozen=True):
     """``serve``'s process tree: shutdown, and the engine core it starts and restarts."""
 
-    shutdown_timeout: float = 5.0
-    engine_ready_timeout: float = 120.0
+    shutdown_timeout: NonNegativeFloat = 5.0
+    engine_ready_timeout: PositiveFloat = 120.0
     # When the engine core dies: restart it with backoff ("always"), or drain and exit 1 ("never").
     engine_restart: Literal["always", "never"] = "always"
 
@@ -154,15 +169,15 @@ class EngineConfig(_Section, frozen=True):
 
     kind: EngineKind = "model"  # --engine
     handshake_address: str | None = None  # where engine cores join; None: the API server's own
-    engine_index: int = 0
-    max_num_seqs: int = 1024
-    max_num_batched_tokens: int = 2048  # per step: bounds how long a prefill chunk stalls decodes
-    block_size: int = 16
-    num_gpu_blocks_override: int = 0  # 0: model: what --kv-cache-gib holds; reference: 4096
+    engine_index: NonNegative = 0
+    max_num_seqs: Positive = 1024
+    max_num_batched_tokens: Positive = 2048  # per step: bounds how long a prefill chunk stalls decodes
+    block_size: Positive = 16
+    num_gpu_blocks_override: NonNegative = 0  # 0: model: what --kv-cache-gib holds; reference: 4096
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
-    engine_output_hwm: int = 64  # ZMQ high-water mark, engine -> API server, in steps; 0 = unbounded
+    engine_output_hwm: NonNegative = 64  # ZMQ high-water mark, engine -> API server, in steps; 0 = unbounded
     engine_output_policy: EngineOutputPolicy = "fold"
-    step_time_us: int = 0  # reference executor: time per forward
+    step_time_us: NonNegative = 0  # reference executor: time per forward
 
 
 class WorkerConfig(_Section, frozen=True):
@@ -170,15 +185,15 @@ class WorkerConfig(_Section, frozen=True):
 
     device: str = "auto"  # auto: cuda when present, else cpu
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on cuda, fp32 on cpu
-    kv_cache_gib: float = 2.0
-    worker_threads: int = 0  # torch CPU threads; 0: all cores but one
-    worker_step_timeout: float = 300.0  # a step's hard limit; also how long an engine may be silent
+    kv_cache_gib: PositiveFloat = 2.0
+    worker_threads: NonNegative = 0  # torch CPU threads; 0: all cores but one
+    worker_step_timeout: PositiveFloat = 300.0  # a step's hard limit; also how long an engine may be silent
 
 
 class MockConfig(_Section, frozen=True):
     """The mock engine core (``--engine mock``): instant prefill, random tokens, a fixed step clock."""
 
-    step_interval_us: int = 0  # 0: step as fast as possible
+    step_interval_us: NonNegative = 0  # 0: step as fast as possible
     mock_seed: int = 0
 
 
@@ -189,7 +204,7 @@ class EngineProcessConfig(_Section, frozen=True):
     engine: EngineConfig = EngineConfig()
     worker: WorkerConfig = WorkerConfig()
     mock: MockConfig = MockConfig()
-    log_level: str = "info"
+    log_level: LogLevel = "info"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -213,7 +228,7 @@ class ServeConfig(_Section, frozen=True):
     engine: EngineConfig = EngineConfig()
     worker: WorkerConfig = WorkerConfig()
     mock: MockConfig = MockConfig()
-    log_level: str = "info"
+    log_level: LogLevel = "info"
 
     def engine_process(self, handshake_address: str) -> EngineProcessConfig:
         """The engine-core process's part, joining at ``handshake_address``."""

@@ -221,4 +221,3 @@ def test_recent_aborts_is_bounded() -> None:
     assert recent.overtaken("a") and recent.overtaken("b") and not recent.overtaken("c")
     recent.remember(["c", "d"])  # "a" is forgotten: the oldest of four
     assert not recent.overtaken("a") and recent.overtaken("d")
-    assert recent.dropped == 3

@@ -33,7 +33,8 @@ def test_every_setting_has_one_flag_on_serve() -> None:
 def test_engine_core_flags_are_the_engine_settings(command: str) -> None:
     dests = _dests(_subparser(command))
     assert len(dests) == len(set(dests))
-    assert set(dests) == set(setting_names(EngineProcessConfig))
+    # The names clients use and the tokenizer are the API server's alone.
+    assert set(dests) == set(setting_names(EngineProcessConfig)) - {"served_model_name", "tokenizer"}
 
 
 def test_defaults_come_from_the_tree() -> None:
@@ -76,6 +77,8 @@ def test_flags_reach_the_config() -> None:
     assert (mock.engine.handshake_address, mock.mock.mock_seed, mock.engine.kind) == ("x", 4, "mock")
     reference = serve_config(parser.parse_args(["serve", "--engine", "reference"]))
     assert reference.model.model_names == ("trioserve-reference",)
+    named = serve_config(parser.parse_args(["serve", "/models/m", "--engine", "reference"]))
+    assert named.model.model_names == ("/models/m",)
 
 
 def test_serve_hands_the_engine_core_one_value() -> None:
@@ -96,6 +99,9 @@ def test_serve_hands_the_engine_core_one_value() -> None:
         ["serve", "--max-num-seqs", "0"],
         ["serve", "--engine", "external"],
         ["serve", "--stream-policy", "queue:0"],
+        ["serve", "--port", "70000"],
+        ["serve", "--kv-cache-gib", "0"],
+        ["engine-core", "--config-json", "{}", "--block-size", "8"],
         ["engine-core", "--engine", "external", "--handshake-address", "x"],
         ["mock-engine"],
         [],
@@ -107,3 +113,20 @@ def test_bad_flags_exit_2_with_one_line(argv: list[str], capsys: pytest.CaptureF
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "error:" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "names"),
+    [
+        (["serve", "--max-num-seqs", "0"], "argument --max-num-seqs: Expected `int` >= 1"),
+        (["serve", "--port", "70000"], "argument --port: Expected `int` <= 65535"),
+        (["serve", "--stream-policy", "stall:2"], "stream_policy: unknown stream policy"),
+    ],
+)
+def test_a_refused_value_names_its_flag(
+    argv: list[str], names: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Bounds live in the tree (config.py), once; the command line reports them by flag."""
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert names in capsys.readouterr().err

@@ -53,6 +53,10 @@ def test_override_refuses_unknown_names_and_wrong_types() -> None:
         override(ServeConfig(), bogus=1)
     with pytest.raises(msgspec.ValidationError, match="port"):
         override(ServeConfig(), port="eighty")
+    with pytest.raises(msgspec.ValidationError, match=r"`int` >= 1 - at `\$.engine.max_num_seqs`"):
+        override(ServeConfig(), max_num_seqs=0)
+    with pytest.raises(ValueError, match="stream_policy: queue:N needs N >= 1"):
+        override(ServeConfig(), stream_policy="queue:0")
     with pytest.raises(msgspec.ValidationError, match="scheduling_policy"):
         override(ServeConfig(), scheduling_policy="lifo")
 

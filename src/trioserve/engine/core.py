@@ -256,13 +256,12 @@ class RecentAborts:
     run. Bounded: a set for lookups and a FIFO that forgets the oldest id (an add overtaken by more
     than ``capacity`` aborts is not caught; the API server's ordering is the real guarantee)."""
 
-    __slots__ = ("_ids", "_order", "capacity", "dropped")
+    __slots__ = ("_ids", "_order", "capacity")
 
     def __init__(self, capacity: int = 4096) -> None:
         self.capacity = capacity
         self._ids: set[str] = set()
         self._order: deque[str] = deque()
-        self.dropped = 0  # adds refused because their abort came first
 
     def remember(self, request_ids: Iterable[str]) -> None:
         ids, order = self._ids, self._order
@@ -275,12 +274,8 @@ class RecentAborts:
                 ids.discard(order.popleft())
 
     def overtaken(self, request_id: str) -> bool:
-        """Whether an add for ``request_id`` comes after its abort (it is then counted, and dropped
-        by the caller)."""
-        if request_id in self._ids:
-            self.dropped += 1
-            return True
-        return False
+        """Whether an add for ``request_id`` comes after its abort (the caller drops it)."""
+        return request_id in self._ids
 
 
 async def _input_pump(sock: TrioZmqSocket, on_input: Callable[[EngineInput], None]) -> None:

@@ -10,14 +10,13 @@ servers at its handshake address and runs the core its configuration names (``en
 All three run in the one engine-core shell (``engine/core.py``). ``serve`` starts this process with its
 part of the configuration tree as one value (``EngineProcessConfig``); by hand it is built from flags
 (``cli.py``). Exit code 0 after ``ShutdownEngine``, a SIGINT/SIGTERM or the parent's death; 1 when the
-core failed (a worker died, hung or raised; the API servers were told why); 2 for a configuration that
-names no engine core this process can run.
+core failed (a worker died, hung or raised; the API servers were told why). A configuration it cannot
+run is refused where it is built (exit code 2, one line, from ``cli.py``).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
 
 import trio
 import zmq
@@ -29,7 +28,13 @@ from trioserve.engine.scheduler import SchedulerConfig
 from trioserve.engine.scheduler_core import SchedulerCore
 from trioserve.engine.worker_executor import WorkerExecutorConfig, open_worker_executor
 from trioserve.mock.core import MockCore
-from trioserve.runtime.process import exit_on_signals, exit_when_parent_dies, set_title, setup_logging
+from trioserve.runtime.process import (
+    exit_on_signals,
+    exit_when_parent_dies,
+    set_title,
+    setup_logging,
+    until_first,
+)
 
 log = logging.getLogger("trioserve.engine")
 
@@ -89,29 +94,9 @@ async def _main(config: EngineProcessConfig) -> None:
     SIGTERM arrives, or the API server that started us is gone."""
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
-        async with trio.open_nursery() as nursery:
-
-            async def cancel_when_done(waiter: Callable[[], Awaitable[None]]) -> None:
-                await waiter()
-                nursery.cancel_scope.cancel()
-
-            nursery.start_soon(cancel_when_done, exit_on_signals)
-            nursery.start_soon(cancel_when_done, exit_when_parent_dies)
-            await run_engine(config, ctx)
-            nursery.cancel_scope.cancel()
+        await until_first(lambda: run_engine(config, ctx), exit_on_signals, exit_when_parent_dies)
     finally:
         ctx.destroy(linger=0)
-
-
-def _config_error(config: EngineProcessConfig) -> str | None:
-    engine = config.engine
-    if engine.kind not in ("model", "reference", "mock"):
-        return f"an engine-core process runs --engine model, reference or mock, not {engine.kind!r}"
-    if not engine.handshake_address:
-        return "an engine core needs --handshake-address"
-    if engine.kind == "model" and config.model.model is None:
-        return "--engine model needs a model folder"
-    return None
 
 
 def run_engine_core(config: EngineProcessConfig) -> int:
@@ -120,10 +105,7 @@ def run_engine_core(config: EngineProcessConfig) -> int:
     index = config.engine.engine_index
     set_title("EngineCore" if index == 0 else f"EngineCore_DP{index}")
     setup_logging(config.log_level)
-    error = _config_error(config)
-    if error is not None:
-        log.error("%s", error)
-        return 2
+    # What it can run was checked where the configuration was built (cli.engine_process_config).
     failed = False
     try:
         trio.run(_main, config)

@@ -18,11 +18,10 @@ import msgspec
 import trio
 
 from trioserve.config import AdmissionConfig, ModelConfig, RequestConfig, StreamsConfig
-from trioserve.frontend.edge.sinks import Sink
 from trioserve.frontend.engine_client import EngineClient
 from trioserve.frontend.output.chunks import ChunkEncoder, Kind
 from trioserve.frontend.output.output_handler import ChoiceState, OutputHandler
-from trioserve.frontend.output.responses import CollectingResponse, Response, StreamingResponse
+from trioserve.frontend.output.responses import CollectingResponse, Response, ResponseSink, StreamingResponse
 from trioserve.frontend.request.admission import Admission, Ticket
 from trioserve.frontend.request.errors import ApiError
 from trioserve.frontend.request.openai_schema import ChatCompletionRequest, ChatMessage, CompletionRequest
@@ -144,7 +143,7 @@ class Serving:
 
     # ---- the request lifecycle --------------------------------------------------------------------------
 
-    async def start(self, kind: Kind, body: bytes, sink: Sink) -> Response:
+    async def start(self, kind: Kind, body: bytes, sink: ResponseSink) -> Response:
         arrival = time.time()
         if self.draining:
             raise ApiError(503, "the server is shutting down", retry_after=1)
@@ -175,7 +174,9 @@ class Serving:
             raise
         return response
 
-    async def _prepare(self, kind: Kind, body: bytes, sink: Sink, arrival: float, ticket: Ticket) -> Response:
+    async def _prepare(
+        self, kind: Kind, body: bytes, sink: ResponseSink, arrival: float, ticket: Ticket
+    ) -> Response:
         """Decode, validate and render; everything that can refuse the request happens here."""
         req: ChatCompletionRequest | CompletionRequest
         if kind == "chat":
@@ -249,8 +250,7 @@ class Serving:
         self._retire(response)
 
     def _retire(self, response: Response) -> None:
-        if response.ticket is not None:
-            response.ticket.release()
+        response.ticket.release()
         if isinstance(response, StreamingResponse):
             metrics = self.handler.metrics
             metrics.stream_events += response.content_events

@@ -36,7 +36,7 @@ from typing import Literal, Protocol
 import trio
 
 from trioserve.frontend.engine_health import Stall
-from trioserve.runtime.reaper import reap
+from trioserve.runtime.reaper import TERM_GRACE, Reapable, reap
 
 log = logging.getLogger("trioserve")
 
@@ -44,7 +44,9 @@ RestartPolicy = Literal["always", "never"]
 
 DEAD_GRACE = 5.0  # seconds an engine that reported itself dead has to exit before it is terminated
 SILENCE_CHECK = 1.0  # seconds between checks of an engine's silence against ``silence_timeout``
-STOP_GRACE = 3.0  # seconds between asking an engine to stop (ShutdownEngine, SIGTERM) and the next step
+STOP_GRACE = (
+    TERM_GRACE  # seconds between asking an engine to stop (ShutdownEngine, SIGTERM) and the next step
+)
 
 
 class EngineStartupError(RuntimeError):
@@ -86,20 +88,11 @@ class RestartBackoff:
         return delay
 
 
-class EngineProcess(Protocol):
+class EngineProcess(Reapable, Protocol):
     """What the supervisor needs of a process (``trio.Process`` has it)."""
 
     @property
     def pid(self) -> int: ...
-
-    @property
-    def returncode(self) -> int | None: ...
-
-    async def wait(self) -> int: ...
-
-    def terminate(self) -> None: ...
-
-    def kill(self) -> None: ...
 
 
 class EngineLink(Protocol):

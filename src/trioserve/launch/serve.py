@@ -19,7 +19,6 @@ import logging
 import socket
 import subprocess
 import sys
-from collections.abc import Awaitable, Callable
 
 import trio
 import zmq
@@ -31,7 +30,13 @@ from trioserve.launch.engine_supervisor import EngineFailed, EngineStartupError,
 from trioserve.launch.ipc_dir import ipc_dir as make_ipc_dir
 from trioserve.launch.ipc_dir import sweep_stale
 from trioserve.models.geometry import KVGeometry
-from trioserve.runtime.process import exit_on_signals, raise_open_file_limit, set_title, setup_logging
+from trioserve.runtime.process import (
+    exit_on_signals,
+    raise_open_file_limit,
+    set_title,
+    setup_logging,
+    until_first,
+)
 
 log = logging.getLogger("trioserve")
 
@@ -69,15 +74,10 @@ def api_server(
 
 async def until_stop(supervisor: EngineSupervisor | None) -> None:
     """Returns on the first SIGINT or SIGTERM, or once the engine died under ``--engine-restart never``."""
-    async with trio.open_nursery() as nursery:
-
-        async def stop_after(waiter: Callable[[], Awaitable[object]]) -> None:
-            await waiter()
-            nursery.cancel_scope.cancel()
-
-        nursery.start_soon(stop_after, exit_on_signals)
-        if supervisor is not None:
-            nursery.start_soon(stop_after, supervisor.failed.wait)
+    if supervisor is None:
+        await exit_on_signals()
+    else:
+        await until_first(exit_on_signals, supervisor.failed.wait)
 
 
 async def serve(config: ServeConfig, listener: socket.socket, ipc_dir: str) -> None:

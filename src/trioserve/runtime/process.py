@@ -6,6 +6,7 @@ import logging
 import os
 import resource
 import signal
+from collections.abc import Awaitable, Callable
 
 import setproctitle
 import trio
@@ -44,6 +45,18 @@ async def exit_when_parent_dies(interval: float = 0.5) -> None:
     # Polling is the portable way to notice re-parenting; twice a second costs nothing.
     while os.getppid() == parent:  # noqa: ASYNC110
         await trio.sleep(interval)
+
+
+async def until_first(*waiters: Callable[[], Awaitable[object]]) -> None:
+    """Returns as soon as the first of ``waiters`` returns (the others are cancelled)."""
+    async with trio.open_nursery() as nursery:
+
+        async def first(waiter: Callable[[], Awaitable[object]]) -> None:
+            await waiter()
+            nursery.cancel_scope.cancel()
+
+        for waiter in waiters:
+            nursery.start_soon(first, waiter)
 
 
 async def exit_on_signals() -> None:

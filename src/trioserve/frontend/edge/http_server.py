@@ -44,7 +44,7 @@ log = logging.getLogger("trioserve.http")
 
 FAST_ROUTES: dict[bytes, Kind] = {b"/v1/chat/completions": "chat", b"/v1/completions": "completion"}
 WS_PATH = b"/v1/ws"
-_RECV = 65536
+RECV_BYTES = 65536
 MAX_HEAD = 64 * 1024  # bytes of request line and header fields (431 above it)
 MAX_TARGET = 8 * 1024  # bytes of request target, path and query (414 above it)
 _ACCEPT_BATCH = 64
@@ -93,7 +93,7 @@ class HttpConnection:
     async def _recv(self) -> bytes:
         while True:
             try:
-                data = self._sock.recv(_RECV)
+                data = self._sock.recv(RECV_BYTES)
             except BlockingIOError:
                 await trio.lowlevel.wait_readable(self._sock)
                 continue
@@ -142,7 +142,7 @@ class HttpConnection:
             self._sock.shutdown(socket.SHUT_WR)
             while True:
                 try:
-                    if not self._sock.recv(_RECV):
+                    if not self._sock.recv(RECV_BYTES):
                         return
                 except BlockingIOError:
                     await trio.lowlevel.wait_readable(self._sock)

@@ -25,7 +25,7 @@ from wsproto.connection import Connection, ConnectionType
 from wsproto.events import BytesMessage, CloseConnection, Ping, TextMessage
 from wsproto.utilities import LocalProtocolError
 
-from trioserve.frontend.edge.http_server import Upgrade
+from trioserve.frontend.edge.http_server import RECV_BYTES, WS_PATH, Upgrade
 from trioserve.frontend.edge.http_sink import send_all, send_or_buffer
 from trioserve.frontend.edge.ws_sinks import WsSink, WsWriter
 from trioserve.frontend.output.chunks import Kind
@@ -35,8 +35,6 @@ from trioserve.frontend.serving import Serving
 from trioserve.protocol.ws_frames import GOING_AWAY, NO_ID, error_message, text_frame, upgrade_response
 from trioserve.runtime.sync import Waker
 
-WS_PATH = b"/v1/ws"
-_RECV = 65536
 CLOSE_FLUSH = 1.0  # seconds a stopping server spends getting its close frame (and what precedes it) out
 READ_PAUSE_BYTES = 256 * 1024  # output waiting for the client beyond which its messages wait too
 
@@ -254,7 +252,7 @@ class WsConnection(WsWriter):
     async def _recv(self) -> bytes:
         while True:
             try:
-                return self._sock.recv(_RECV)
+                return self._sock.recv(RECV_BYTES)
             except BlockingIOError:
                 await trio.lowlevel.wait_readable(self._sock)
             except OSError:
