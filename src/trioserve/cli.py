@@ -12,14 +12,17 @@ reads. Processes that ``serve`` starts get their part of the tree as one JSON va
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
 import msgspec
 
 from trioserve.config import (
+    AccessConfig,
     AdmissionConfig,
     EngineConfig,
     EngineProcessConfig,
@@ -65,17 +68,33 @@ class _Group:
         help: str = "",
         choices: bool | list[str] = False,
         shown: str | None = None,
+        aliases: tuple[str, ...] = (),
         **kw: Any,
     ) -> None:
         """``choices``: True takes them from the setting's ``Literal`` type; ``shown``: the default as
-        ``--help`` words it, when the value itself says nothing (None, empty)."""
+        ``--help`` words it, when the value itself says nothing (None, empty); ``aliases``: other
+        spellings of the same flag (another server's name for it)."""
         if shown is None:
             default = getattr(self._defaults, name)
             shown = " ".join(default) if isinstance(default, tuple) else str(default)
         text = f"{help} (default: {shown})" if help else f"default: {shown}"
         if choices:
             kw["choices"] = _choices(self._section, name) if choices is True else choices
-        self._group.add_argument(flag, dest=name, default=argparse.SUPPRESS, help=text, **kw)
+        self._group.add_argument(flag, *aliases, dest=name, default=argparse.SUPPRESS, help=text, **kw)
+
+
+API_KEY_ENV = "TRIOSERVE_API_KEY"  # the API key when --api-key is absent (read once, in ``main``)
+
+
+def _json_list(text: str) -> tuple[str, ...]:
+    """A JSON list of strings, as vLLM's CORS flags take them (``'["https://a.example"]'``)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings such as '[\"*\"]', got {text!r}")
+    return tuple(value)
 
 
 def _model_flags(p: argparse.ArgumentParser, *, serve: bool) -> None:
@@ -134,6 +153,20 @@ def _frontend_flags(p: argparse.ArgumentParser) -> None:
     g = _Group(RequestConfig, p)
     g.add("--max-n", "max_n", "largest accepted `n`", type=int)
     g.add("--renderer-num-workers", "renderer_num_workers", "threads; 0 = on the event loop", type=int)
+    g.add(
+        "--chat-template",
+        "chat_template",
+        "a jinja chat template in place of the model's: a file, or the template itself",
+        shown="the tokenizer's",
+        metavar="FILE_OR_STRING",
+    )
+    g.add(
+        "--trust-request-chat-template",
+        "trust_request_chat_template",
+        "accept a request's own `chat_template` (vLLM's flag; off: such a request is a 400). A "
+        "template runs sandboxed, but it may loop for as long as it likes on a renderer thread",
+        action="store_true",
+    )
     g = _Group(StreamsConfig, p)
     g.add("--output-queue-size", "output_queue_size", "engine steps", type=int)
     g.add("--output-queue-policy", "output_queue_policy", choices=True)
@@ -144,6 +177,7 @@ def _frontend_flags(p: argparse.ArgumentParser) -> None:
         metavar="{merge,queue:N,stall,abort-slow-client}",
     )
     g.add("--slow-client-max-tokens", "slow_client_max_tokens", type=int)
+    _access_flags(p)
     g = _Group(SupervisorConfig, p)
     g.add("--shutdown-timeout", "shutdown_timeout", type=float)
     g.add("--engine-ready-timeout", "engine_ready_timeout", type=float)
@@ -156,6 +190,52 @@ def _frontend_flags(p: argparse.ArgumentParser) -> None:
         "has run for 60 s); never: fail the requests in flight, drain and exit with code 1, for a "
         "supervisor that restarts processes. Not for --engine external",
         choices=True,
+    )
+
+
+def _access_flags(p: argparse.ArgumentParser) -> None:
+    g = _Group(AccessConfig, p)
+    g.add(
+        "--api-key",
+        "api_key",
+        "require `Authorization: Bearer KEY`, KEY one of these, on every route but /health, /ping, "
+        f"/load, /version and /metrics (401 otherwise); {API_KEY_ENV} gives one when the flag is absent",
+        nargs="+",
+        type=str,
+        metavar="KEY",
+        shown="none: no key needed",
+    )
+    g.add(
+        "--api-key-all-routes",
+        "api_key_all_routes",
+        "with --api-key: require the key on /health, /ping, /load, /version and /metrics too",
+        action="store_true",
+    )
+    for flag, name, what in (
+        ("--allowed-origins", "allowed_origins", "origins"),
+        ("--allowed-methods", "allowed_methods", "methods"),
+        ("--allowed-headers", "allowed_headers", "request headers"),
+    ):
+        g.add(flag, name, f"CORS: the {what} allowed, a JSON list", type=_json_list, shown='["*"]')
+    g.add("--allow-credentials", "allow_credentials", "CORS: allow credentials", action="store_true")
+    g.add(
+        "--enable-request-id-headers",
+        "enable_request_id_headers",
+        "add X-Request-Id to every response: the client's, or the id the server made",
+        action="store_true",
+    )
+    g.add(
+        "--disable-access-log",
+        "disable_access_log",
+        "no access-log line per request (logger trioserve.access)",
+        action="store_true",
+        aliases=("--disable-uvicorn-access-log",),
+    )
+    g.add(
+        "--disable-access-log-for-endpoints",
+        "disable_access_log_for_endpoints",
+        "comma-separated paths left out of the access log, e.g. /health,/metrics,/ping",
+        shown="none",
     )
 
 
@@ -254,8 +334,23 @@ def _settings(ns: argparse.Namespace) -> dict[str, Any]:
     return values
 
 
-def serve_config(ns: argparse.Namespace) -> ServeConfig:
-    config = override(ServeConfig(), **_settings(ns))
+def serve_config(ns: argparse.Namespace, environ: Mapping[str, str] | None = None) -> ServeConfig:
+    """``environ``: the process environment (``main`` passes it), for the API key when the flag is
+    absent; components never read the environment themselves."""
+    values = _settings(ns)
+    env_key = (environ or {}).get(API_KEY_ENV)
+    if env_key and "api_key" not in values:
+        values["api_key"] = (env_key,)
+    if "chat_template" in values:
+        # The tree holds the template's text, checked here: one that does not compile is a bad flag.
+        from trioserve.frontend.text.chat_template import compile_chat_template, read_chat_template
+
+        try:
+            values["chat_template"] = read_chat_template(values["chat_template"])
+            compile_chat_template(values["chat_template"])
+        except ValueError as exc:
+            raise ValueError(f"argument --chat-template: {exc}") from None
+    config = override(ServeConfig(), **values)
     model = config.model
     if config.engine.kind == "reference" and not model.served_model_name and model.model is None:
         config = override(config, served_model_name=("trioserve-reference",))
@@ -302,7 +397,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
     if ns.command == "serve":
-        config: ServeConfig = _fail(parser, lambda: serve_config(ns))
+        config: ServeConfig = _fail(parser, lambda: serve_config(ns, os.environ))
         if config.engine.kind == "external" and not config.engine.handshake_address:
             parser.error("--engine external needs --handshake-address")
         from trioserve.launch.serve import run_serve

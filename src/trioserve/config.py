@@ -95,6 +95,9 @@ class RequestConfig(_Section, frozen=True):
 
     max_n: Positive = 16
     renderer_num_workers: NonNegative = 1  # threads; 0: render on the event loop
+    # The chat template in place of the model's (the text: cli.py reads a file the flag names).
+    chat_template: str | None = None
+    trust_request_chat_template: bool = False  # a request's own `chat_template` is refused unless set
 
 
 class StreamPolicy(msgspec.Struct, frozen=True):
@@ -147,6 +150,26 @@ class StreamsConfig(_Section, frozen=True):
     @property
     def policy(self) -> StreamPolicy:
         return StreamPolicy.parse(self.stream_policy, self.slow_client_max_tokens)
+
+
+class AccessConfig(_Section, frozen=True):
+    """Who may call an API server, what its responses tell browsers, and what it logs per request
+    (the rules: ``frontend/edge/auth.py``, ``frontend/edge/cors.py``, ``frontend/edge/access.py``,
+    ``frontend/access_log.py``). CORS names and defaults are vLLM's."""
+
+    api_key: tuple[str, ...] = ()  # empty: no key needed; else ``Bearer`` one of these
+    api_key_all_routes: bool = False  # the key on /health, /ping, /load, /version, /metrics too
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    enable_request_id_headers: bool = False  # echo X-Request-Id on every response
+    disable_access_log: bool = False
+    disable_access_log_for_endpoints: str = ""  # comma-separated paths left out of the access log
+
+    def __post_init__(self) -> None:
+        if any(not key for key in self.api_key):  # "" would make a missing key the right one
+            raise ValueError("api_key: an API key must not be empty")
 
 
 class SupervisorConfig(_Section, frozen=True):
@@ -219,6 +242,7 @@ class FrontendConfig(_Section, frozen=True):
     admission: AdmissionConfig = AdmissionConfig()
     request: RequestConfig = RequestConfig()
     streams: StreamsConfig = StreamsConfig()
+    access: AccessConfig = AccessConfig()
 
 
 class ServeConfig(_Section, frozen=True):

@@ -338,7 +338,7 @@ BAD_REQUESTS: list[Any] = [
     ("prompt-empty", COMPLETIONS, {"prompt": "", "max_tokens": 2}, 400),
     ("prompt-empty-list", COMPLETIONS, {"prompt": [], "max_tokens": 2}, 400),
     ("prompt-empty-nested", COMPLETIONS, {"prompt": [[]], "max_tokens": 2}, 400),
-    ("prompt-batched", COMPLETIONS, {"prompt": ["a", "b"], "max_tokens": 2}, 400),
+    ("prompt-batched-mixed", COMPLETIONS, {"prompt": ["a", [1, 2]], "max_tokens": 2}, 400),
     ("prompt-mixed", COMPLETIONS, {"prompt": [1, "a"], "max_tokens": 2}, 400),
     ("prompt-bad-token-id", COMPLETIONS, {"prompt": [-1], "max_tokens": 2}, 400),
     ("prompt-huge-token-id", COMPLETIONS, {"prompt": [BIG], "max_tokens": 2}, 400),
@@ -464,7 +464,7 @@ async def test_curl_no_buffer(server: ServerProcess) -> None:
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [
-        (CHAT, {**M, "presence_penalty": 0.5}, "presence_penalty"),
+        (CHAT, {**M, "response_format": {"type": "json_object"}}, "response_format"),
         (CHAT, {**M, "min_p": 2}, "min_p"),
         (CHAT, {**M, "foo": 1}, "foo"),
         (CHAT, {"messages": [{"role": "user"}]}, "messages[0].content"),

@@ -139,12 +139,12 @@ async def test_bad_websocket_messages_cost_only_themselves(stack: Stack, autojum
     deep_body = '{"messages":[{"role":"user","content":"x"}],"chat_template_kwargs":{"a":%s}}'
     # Too deep to decode at all: an error without an id.
     await c.send_raw('{"type":"request","id":"lost","body":%s}' % (deep_body % nested(DEEP).decode()))
-    # Deep but decodable, a message without content, an unknown field, an unsupported parameter:
+    # Deep but decodable, a message without content, an unknown field, a parameter out of range:
     # errors for their ids.
     await c.send_raw('{"type":"request","id":"deep","body":%s}' % (deep_body % nested(100).decode()))
     await c.request("empty", chat_body(5, messages=[{"role": "user"}]))
     await c.request("unknown", chat_body(5, foo=1))
-    await c.request("penalty", chat_body(5, presence_penalty=1))
+    await c.request("penalty", chat_body(5, presence_penalty=5))
     await c.send_raw('{"type":"request","id":"notobject","body":[1]}')
     await c.request("after", chat_body(3))
     finals: dict[str | None, dict[str, Any]] = {}

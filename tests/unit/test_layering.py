@@ -58,6 +58,10 @@ PURE = [
     "trioserve.frontend.engine_health",
     "trioserve.frontend.output.responses",
     "trioserve.frontend.output.chunks",
+    "trioserve.frontend.edge.auth",
+    "trioserve.frontend.edge.cors",
+    "trioserve.frontend.edge.access",
+    "trioserve.frontend.access_log",
 ]
 
 

@@ -38,6 +38,7 @@ from trioserve.frontend.request.validate import (
 )
 from trioserve.frontend.serving import message_dicts
 from trioserve.frontend.text.stop_strings import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+from trioserve.protocol.messages import MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORDS
 
 # Field path -> "module:qualified name" of the code that implements its effect.
 _SAMPLING = {
@@ -59,6 +60,14 @@ _SAMPLING = {
     "stop_token_ids": "trioserve.frontend.request.validate:sampling_params",
     "ignore_eos": "trioserve.frontend.request.validate:sampling_params",
     "min_tokens": "trioserve.frontend.request.validate:sampling_params",
+    # The logits processors: carried to the worker's sampler (tests/unit/test_sampling_params.py).
+    "presence_penalty": "trioserve.frontend.request.validate:sampling_params",
+    "frequency_penalty": "trioserve.frontend.request.validate:sampling_params",
+    "repetition_penalty": "trioserve.frontend.request.validate:sampling_params",
+    "min_p": "trioserve.frontend.request.validate:sampling_params",
+    "logit_bias": "trioserve.frontend.request.validate:sampling_params",
+    "allowed_token_ids": "trioserve.frontend.request.validate:sampling_params",
+    "bad_words": "trioserve.frontend.request.validate:bad_words_token_ids",
     "priority": "trioserve.frontend.serving:Serving._prepare",
 }
 _MESSAGES = {
@@ -76,8 +85,15 @@ EFFECTS: dict[type, dict[str, str]] = {
         "max_completion_tokens": "trioserve.frontend.request.validate:requested_max_tokens",
         "add_generation_prompt": "trioserve.frontend.serving:Serving._chat_prompt",
         "chat_template_kwargs": "trioserve.frontend.serving:Serving._chat_prompt",
+        "continue_final_message": "trioserve.frontend.serving:Serving._chat_prompt",
+        "chat_template": "trioserve.frontend.serving:Serving._chat_prompt",
+        "truncate_prompt_tokens": "trioserve.frontend.serving:Serving._chat_prompt",
     },
-    CompletionRequest: {**_SAMPLING, "prompt": "trioserve.frontend.serving:Serving._completion_prompt"},
+    CompletionRequest: {
+        **_SAMPLING,
+        "prompt": "trioserve.frontend.serving:Serving._completion_prompts",
+        "truncate_prompt_tokens": "trioserve.frontend.serving:Serving._completion_prompts",
+    },
     TokenizeRequest: {
         **_MESSAGES,
         "model": "trioserve.frontend.edge.app:create_app",
@@ -196,22 +212,6 @@ def completion(**fields: Any) -> dict[str, Any]:
 
 # (param named in the 400, endpoint, a body with an effect, bodies with none)
 UNSUPPORTED_CASES: list[tuple[str, str, dict[str, Any], list[dict[str, Any]]]] = [
-    ("presence_penalty", "chat", chat(presence_penalty=0.5), [chat(presence_penalty=0)]),
-    (
-        "frequency_penalty",
-        "completion",
-        completion(frequency_penalty=-1),
-        [completion(frequency_penalty=0.0)],
-    ),
-    ("repetition_penalty", "chat", chat(repetition_penalty=1.2), [chat(repetition_penalty=1)]),
-    ("min_p", "chat", chat(min_p=0.1), [chat(min_p=0)]),
-    (
-        "logit_bias",
-        "chat",
-        chat(logit_bias={"50256": 5}),
-        [chat(logit_bias=None), chat(logit_bias={}), chat(logit_bias={"7": 0})],
-    ),
-    ("bad_words", "completion", completion(bad_words=["x"]), [completion(bad_words=[])]),
     ("best_of", "completion", completion(best_of=2), [completion(best_of=1), completion(best_of=2, n=2)]),
     ("echo", "completion", completion(echo=True), [completion(echo=False)]),
     ("logprobs", "chat", chat(logprobs=True), [chat(logprobs=False), chat(logprobs=None)]),
@@ -241,14 +241,6 @@ UNSUPPORTED_CASES: list[tuple[str, str, dict[str, Any], list[dict[str, Any]]]] =
         chat(service_tier="flex"),
         [chat(service_tier="auto"), chat(service_tier="default")],
     ),
-    (
-        "continue_final_message",
-        "chat",
-        chat(continue_final_message=True),
-        [chat(continue_final_message=False)],
-    ),
-    ("chat_template", "chat", chat(chat_template="{{ messages }}"), [chat(chat_template=None)]),
-    ("truncate_prompt_tokens", "completion", completion(truncate_prompt_tokens=5), [completion()]),
     (
         "stream_options.include_obfuscation",
         "completion",
@@ -353,6 +345,15 @@ OUT_OF_RANGE: list[tuple[str, str, dict[str, Any]]] = [
     ("logit_bias", "chat", chat(logit_bias={str(i): 1 for i in range(301)})),
     ("logit_bias", "chat", chat(logit_bias={"abc": 1})),  # keys are token ids
     ("logit_bias", "chat", chat(logit_bias={"-3": 1})),
+    ("logit_bias", "chat", chat(logit_bias={str(MODEL.vocab_size): 1})),  # past the vocabulary
+    ("min_p", "completion", completion(min_p=1.5)),
+    ("allowed_token_ids", "chat", chat(allowed_token_ids=[])),
+    ("allowed_token_ids", "completion", completion(allowed_token_ids=[1, MODEL.vocab_size])),
+    ("allowed_token_ids[0]", "chat", chat(allowed_token_ids=[-1])),
+    ("allowed_token_ids", "chat", chat(allowed_token_ids=list(range(MAX_ALLOWED_TOKEN_IDS + 1)))),
+    ("bad_words", "completion", completion(bad_words=["ok", ""])),
+    ("bad_words", "chat", chat(bad_words=["  "])),
+    ("bad_words", "chat", chat(bad_words=[f"w{i}" for i in range(MAX_BAD_WORDS + 1)])),
     ("top_logprobs", "chat", chat(top_logprobs=21)),
     ("top_logprobs", "chat", chat(top_logprobs=3, logprobs=False)),  # OpenAI: needs logprobs true
     ("logprobs", "completion", completion(logprobs=-1)),
@@ -360,6 +361,8 @@ OUT_OF_RANGE: list[tuple[str, str, dict[str, Any]]] = [
     ("prompt_logprobs", "completion", completion(prompt_logprobs=-1)),
     ("best_of", "completion", completion(best_of=1, n=2)),
     ("truncate_prompt_tokens", "completion", completion(truncate_prompt_tokens=-2)),
+    ("truncate_prompt_tokens", "chat", chat(truncate_prompt_tokens=MODEL.max_model_len + 1)),  # vLLM's bound
+    ("continue_final_message", "chat", chat(continue_final_message=True)),  # with add_generation_prompt
     ("stop", "chat", chat(stop=[str(i) for i in range(MAX_STOP_STRINGS + 1)])),
     ("stop", "chat", chat(stop="x" * (MAX_STOP_STRING_CHARS + 1))),
     ("stop", "completion", completion(stop=["ok", "y" * (MAX_STOP_STRING_CHARS + 1)])),

@@ -16,6 +16,8 @@ import trio
 import zmq
 
 from trioserve.config import FrontendConfig, ModelConfig
+from trioserve.frontend.access_log import AccessLog
+from trioserve.frontend.edge.access import Gate
 from trioserve.frontend.edge.app import create_app
 from trioserve.frontend.edge.asgi_host import AsgiHost
 from trioserve.frontend.edge.http_server import HttpServer
@@ -66,7 +68,7 @@ class ApiServer:
         )
         streams = frontend.streams
         self.steps = StampedStepQueue(streams.output_queue_size, streams.output_queue_policy)
-        self.metrics = Metrics(model.model_names[0])
+        self.metrics = Metrics(model.model_names[0], max_model_len=model.max_model_len)
         self.handler = OutputHandler(self.engine.abort, self.metrics)
         self.serving = Serving(
             model, frontend.request, frontend.admission, streams, tokenizer, self.engine, self.handler
@@ -81,6 +83,10 @@ class ApiServer:
             http.max_request_body_bytes,
             upgrade=websocket_upgrade(self.serving, http.max_request_body_bytes),
             max_connections=http.max_connections,
+            gate=Gate(frontend.access),
+            access_log=None
+            if frontend.access.disable_access_log
+            else AccessLog(frontend.access.disable_access_log_for_endpoints),
         )
 
     async def run(

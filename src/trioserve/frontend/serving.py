@@ -4,6 +4,11 @@
 renderer queue), decode and validate the body, render and tokenize on the renderer pool, build the
 response, register its choices with the output handler and queue them for the engine. Everything that
 can be refused is refused before a byte is written, as an ``ApiError``.
+
+A completions request with several prompts is one response with ``len(prompts) * n`` choices (choice
+``i``: sample ``i % n`` of prompt ``i // n``, as OpenAI numbers them), each an engine request of its
+own; admission counts the whole request as one (one ticket, one slot of ``--max-concurrent-requests``),
+so ``MAX_CHOICES`` bounds what one ticket may ask of the engine.
 """
 
 from __future__ import annotations
@@ -27,10 +32,19 @@ from trioserve.frontend.request.errors import ApiError
 from trioserve.frontend.request.openai_schema import ChatCompletionRequest, ChatMessage, CompletionRequest
 from trioserve.frontend.request.renderer import RendererPool
 from trioserve.frontend.request.validate import (
+    MAX_CHOICES,
+    bad_words_token_ids,
     decode_body,
     output_options,
     refuse_unsupported_in_message,
+    requested_max_tokens,
     sampling_params,
+)
+from trioserve.frontend.text.chat_template import (
+    ChatTemplate,
+    ChatTemplateCache,
+    TemplateRenderError,
+    compile_chat_template,
 )
 from trioserve.frontend.text.stop_strings import StopStringMatcher
 from trioserve.frontend.text.tokenizer import Tokenizer
@@ -101,12 +115,22 @@ class Serving:
         workers = request.renderer_num_workers
         self.renderer = RendererPool(workers) if workers else None
         self.stream_policy = streams.policy
+        # --chat-template (the command line checked that it compiles), and the request templates
+        # accepted under --trust-request-chat-template, compiled once per distinct text.
+        text = request.chat_template
+        self.chat_template = None if text is None else compile_chat_template(text)
+        self.request_templates = ChatTemplateCache()
         self.admission = Admission(admission)
         self.active: set[Response] = set()
         # Response ids: a random per-process part and a counter (unique without a uuid4 per request).
         self._id_base = secrets.token_hex(8)
         self._id_counter = itertools.count()
         self._finished = Waker()  # set whenever a response leaves ``active``
+
+    def new_request_id(self) -> str:
+        """An id no other request of the deployment has: 64 random bits per API server process and
+        a counter (a response's ``id`` is its kind's prefix and this; its engine requests add ``-i``)."""
+        return f"{self._id_base}{next(self._id_counter):08x}"
 
     # ---- rendering (on the renderer pool) -------------------------------------------------------------
 
@@ -119,31 +143,109 @@ class Serving:
         except ValueError as exc:  # the tokenizer's word for "these messages cannot be rendered"
             raise ApiError(400, f"could not render the prompt: {exc}") from None
 
-    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        messages = message_dicts(req.messages)
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        *,
+        template: ChatTemplate | None = None,
+        continue_final_message: bool = False,
+    ) -> list[int]:
+        """The tokenizer's ``apply_chat_template`` with the server's template (``--chat-template``)
+        unless ``template`` is given: every route that renders messages renders them the same way."""
         return self.tokenizer.apply_chat_template(
-            messages, req.add_generation_prompt, req.chat_template_kwargs
+            messages,
+            add_generation_prompt,
+            chat_template_kwargs,
+            template=template or self.chat_template,
+            continue_final_message=continue_final_message,
         )
 
-    def _completion_prompt(self, req: CompletionRequest) -> list[int]:
+    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        messages = message_dicts(req.messages)
+        template = None
+        if req.chat_template is not None:  # validate refused it unless --trust-request-chat-template
+            try:
+                template = self.request_templates.get(req.chat_template)
+            except ValueError as exc:
+                raise ApiError(400, f"chat_template: {exc}", param="chat_template") from None
+        try:
+            ids = self.apply_chat_template(
+                messages,
+                req.add_generation_prompt,
+                req.chat_template_kwargs,
+                template=template,
+                continue_final_message=bool(req.continue_final_message),
+            )
+        except TemplateRenderError as exc:
+            if template is None:
+                raise
+            raise ApiError(400, f"chat_template: {exc}", param="chat_template") from None
+        return self._truncate(ids, req.truncate_prompt_tokens)
+
+    def _truncate(self, ids: list[int], keep: int | None) -> list[int]:
+        """vLLM's ``truncate_prompt_tokens``: the last ``keep`` tokens (-1: the context window)."""
+        if keep is None:
+            return ids
+        if keep == -1:
+            keep = self.model.max_model_len
+        return ids[len(ids) - keep :] if len(ids) > keep else ids
+
+    def _completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
+        """Each prompt's tokens: ``prompt`` is a string, a list of token ids, or a list of several
+        prompts (all strings, or all lists of token ids); each is truncated on its own."""
         prompt = req.prompt
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            if len(prompt) != 1:
-                raise ApiError(400, "send one prompt per request (batched prompts are not supported)")
-            prompt = prompt[0]  # type: ignore[assignment]
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        if not all(isinstance(t, int) for t in prompt):
-            raise ApiError(400, "prompt must be a string, a list of token ids, or a list of one of those")
-        ids: list[int] = prompt  # type: ignore[assignment]
+        several = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+        prompts: list[Any] = list(prompt) if several else [prompt]
+        if len(prompts) * req.n > MAX_CHOICES:
+            raise ApiError(
+                400,
+                f"at most {MAX_CHOICES} choices per request (prompts x n); this one asks for "
+                f"{len(prompts)} x {req.n}",
+                param="prompt",
+            )
+        if several and len({isinstance(p, str) for p in prompts}) > 1:
+            mixed = "prompt: a list of prompts must be all strings or all token-id lists"
+            raise ApiError(400, mixed, param="prompt")
         vocab = self.tokenizer.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
-        return list(ids)
+        out = []
+        for i, item in enumerate(prompts):
+            param = f"prompt[{i}]" if several else "prompt"
+            if isinstance(item, str):
+                ids = self.tokenizer.encode(item)
+            elif isinstance(item, list) and all(isinstance(t, int) for t in item):
+                if any(not 0 <= t < vocab for t in item):
+                    raise ApiError(400, f"{param}: token ids must be in [0, {vocab})", param=param)
+                ids = list(item)
+            else:
+                raise ApiError(
+                    400,
+                    "prompt must be a string, a list of token ids, or a list of strings or of token-id lists",
+                    param="prompt",
+                )
+            out.append(self._truncate(ids, req.truncate_prompt_tokens))
+        return out
+
+    def _check_each_prompt(self, req: CompletionRequest, prompts: list[list[int]]) -> None:
+        """Several prompts: each against the context window, with a 400 that names it."""
+        max_tokens = requested_max_tokens(req)  # completions: never None (OpenAI's default is 16)
+        assert max_tokens is not None
+        limit = self.model.max_model_len
+        for i, ids in enumerate(prompts):
+            if not ids or len(ids) + max_tokens > limit:
+                try:
+                    sampling_params(req, self.model, len(ids))  # the length checks come first
+                except ApiError as exc:
+                    raise ApiError(400, f"prompt[{i}]: {exc.message}", param=f"prompt[{i}]") from None
 
     # ---- the request lifecycle --------------------------------------------------------------------------
 
-    async def start(self, kind: Kind, body: bytes, sink: ResponseSink) -> Response:
+    async def start(
+        self, kind: Kind, body: bytes, sink: ResponseSink, *, request_id: str | None = None
+    ) -> Response:
+        """``request_id``: the request's id, unique across the deployment (the edge builds it from
+        ``new_request_id`` and the client's X-Request-Id); None: ``new_request_id()``."""
         arrival = time.time()
         if self.draining:
             raise ApiError(503, "the server is shutting down", retry_after=1)
@@ -157,7 +259,7 @@ class Serving:
         ticket = admission.admit()  # reserved before rendering ...
         try:
             with admission.rendering_slot():
-                response = await self._prepare(kind, body, sink, arrival, ticket)
+                response = await self._prepare(kind, body, sink, arrival, ticket, request_id)
             if self.draining:  # drain began while it rendered: it would outlive drain's deadline
                 raise ApiError(503, "the server is shutting down", retry_after=1)
         except BaseException:
@@ -165,7 +267,7 @@ class Serving:
             self._finished.set()
             raise
         # From here on, the response releases the ticket when it leaves ``active``.
-        self.handler.metrics.prompt_tokens += len(response.prompt_token_ids)
+        self.handler.metrics.prompt_tokens += response.prompt_tokens
         self.active.add(response)
         try:
             self._submit(response, arrival)
@@ -175,38 +277,52 @@ class Serving:
         return response
 
     async def _prepare(
-        self, kind: Kind, body: bytes, sink: ResponseSink, arrival: float, ticket: Ticket
+        self,
+        kind: Kind,
+        body: bytes,
+        sink: ResponseSink,
+        arrival: float,
+        ticket: Ticket,
+        request_id: str | None = None,
     ) -> Response:
         """Decode, validate and render; everything that can refuse the request happens here."""
         req: ChatCompletionRequest | CompletionRequest
         if kind == "chat":
             req = decode_body(body, ChatCompletionRequest)
             options = output_options(req, self.model, self.request)
-            prompt_ids: list[int] = await self.render(self._chat_prompt, req)
+            prompts: list[list[int]] = [await self.render(self._chat_prompt, req)]
         else:
             req = decode_body(body, CompletionRequest)
             options = output_options(req, self.model, self.request)
-            prompt_ids = await self.render(self._completion_prompt, req)
-        params = sampling_params(req, self.model, len(prompt_ids))
+            prompts = await self.render(self._completion_prompts, req)
+            if len(prompts) > 1:
+                self._check_each_prompt(req, prompts)
+        # max_tokens is the same for every prompt, so the longest one bounds it.
+        params = sampling_params(req, self.model, max(len(p) for p in prompts))
+        if req.bad_words:  # tokenized once per request, on the renderer pool
+            vocab = self.model.vocab_size
+            words = await self.render(bad_words_token_ids, req.bad_words, self.tokenizer, vocab)
+            params = msgspec.structs.replace(params, bad_words_token_ids=words)
         if self.dead_reason is not None:  # the engine may have gone while we rendered
             raise self.engine_unavailable()
 
         prefix: Literal["chatcmpl-", "cmpl-"] = "chatcmpl-" if kind == "chat" else "cmpl-"
-        response_id = f"{prefix}{self._id_base}{next(self._id_counter):08x}"
-        continuous = len(prompt_ids) if options.continuous_usage else None
+        response_id = f"{prefix}{request_id or self.new_request_id()}"
+        continuous = sum(len(p) for p in prompts) if options.continuous_usage else None
         encoder = ChunkEncoder(
             kind, response_id, int(arrival), options.model, options.return_token_ids, continuous
         )
-        built = (sink, encoder, options, prompt_ids, params, req.priority, ticket, self._on_done)
+        built = (sink, encoder, options, prompts[0], params, req.priority, ticket, self._on_done)
         if not options.stream:
-            return CollectingResponse(*built)
+            return CollectingResponse(*built, prompts=prompts)
         policy = self.stream_policy
         stalled = self.handler.stalled if policy.kind == "stall" else None
-        return StreamingResponse(*built, policy=policy, stalled=stalled)
+        return StreamingResponse(*built, policy=policy, stalled=stalled, prompts=prompts)
 
     def _submit(self, response: Response, arrival: float) -> None:
-        """Register every choice with the output handler and queue it for the engine."""
-        options, params, prompt_ids = response.options, response.params, response.prompt_token_ids
+        """Register every choice with the output handler and queue it for the engine. Choice ``i`` is
+        sample ``i % n`` of prompt ``i // n`` (OpenAI's numbering of a request with several prompts)."""
+        options, params, n = response.options, response.params, response.options.n
         eos = self.tokenizer.eos_token_id
         extra_eos = self.tokenizer.extra_eos_ids
         if extra_eos and not params.ignore_eos:
@@ -216,15 +332,17 @@ class Serving:
             StopStringMatcher(options.stop, options.include_stop_str_in_output) if options.stop else None
         )
         for i, request_id in enumerate(response.request_ids):
+            prompt_ids, sample = response.prompts[i // n], i % n
             stop = matcher if matcher is None or i == 0 else matcher.fork()
             detok = self.tokenizer.detokenizer(options.skip_special_tokens, prompt_ids=prompt_ids)
             include = options.include_stop_str_in_output
             self.handler.register(ChoiceState(request_id, i, response, detok, stop, include, arrival))
-            # Parallel samples with a seed get distinct but reproducible seeds (as vLLM does).
+            # Parallel samples with a seed get distinct but reproducible seeds (as vLLM does); each
+            # prompt's samples get the seeds it would get alone.
             sp = (
                 params
-                if params.seed is None or i == 0
-                else msgspec.structs.replace(params, seed=params.seed + i)
+                if params.seed is None or sample == 0
+                else msgspec.structs.replace(params, seed=params.seed + sample)
             )
             self.engine.add(
                 AddRequest(
@@ -251,8 +369,15 @@ class Serving:
 
     def _retire(self, response: Response) -> None:
         response.ticket.release()
+        metrics = self.handler.metrics
+        first = response.first_token_time
+        # Once per request. Its decode time only when every choice ran to its end (the last token
+        # has just arrived): a cancelled or failed request's would measure the cut, not the decode.
+        decode = time.time() - first if first and response.remaining == 0 else None
+        metrics.observe_request(
+            response.prompt_tokens, response.completion_tokens, len(response.request_ids), decode
+        )
         if isinstance(response, StreamingResponse):
-            metrics = self.handler.metrics
             metrics.stream_events += response.content_events
             metrics.stream_tokens += response.completion_tokens
             metrics.merged_deltas += response.merged_deltas

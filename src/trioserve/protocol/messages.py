@@ -89,6 +89,13 @@ HandshakeMessage = EngineHello | Welcome | EngineReady
 # carries each new request's sampling parameters, and the worker ring's slot is sized for this many
 # (``protocol.step.step_slot_bytes``).
 MAX_STOP_TOKEN_IDS = 128
+# The same bound for the logits processors' lists (the API server refuses more with a 400 naming the
+# parameter): logit_bias entries (OpenAI's 300), allowed_token_ids, and bad words after tokenizing
+# (vLLM's 128 sequences of at most 1024 tokens in all).
+MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_ALLOWED_TOKEN_IDS = 2048
+MAX_BAD_WORDS = 128
+MAX_BAD_WORDS_TOKENS = 1024
 
 
 class SamplingParams(_Wire):
@@ -100,6 +107,15 @@ class SamplingParams(_Wire):
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     ignore_eos: bool = False  # EOS does not stop the request; stop_token_ids still do (as in vLLM)
     min_tokens: int = 0
+    # Logits processors, applied in the worker's sampler in the order its docstring states; each
+    # default is the neutral value, and a request that leaves them all there costs the sampler nothing.
+    presence_penalty: float = 0.0  # -2..2, times (count > 0) of each output token so far
+    frequency_penalty: float = 0.0  # -2..2, times the count of each output token so far
+    repetition_penalty: float = 1.0  # > 0; over prompt and output tokens (vLLM's and HF's rule)
+    min_p: float = 0.0  # 0..1, of the top token's probability
+    logit_bias: dict[int, float] | None = None  # token id -> -100..100, added to its logit
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words_token_ids: list[list[int]] | None = None  # the bad words, tokenized by the API server
 
 
 class AddRequest(_Wire, tag="add"):

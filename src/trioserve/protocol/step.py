@@ -14,7 +14,13 @@ from __future__ import annotations
 
 import msgspec
 
-from trioserve.protocol.messages import SamplingParams
+from trioserve.protocol.messages import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORDS,
+    MAX_BAD_WORDS_TOKENS,
+    MAX_LOGIT_BIAS_ENTRIES,
+    SamplingParams,
+)
 
 
 class NewRequestData(msgspec.Struct, array_like=True, gc=False):
@@ -63,7 +69,24 @@ def step_slot_bytes(
     """An upper bound on one encoded ``SchedulerOutput``, rounded up to a MiB: msgpack ints take at most
     5 bytes here; per request a block table, and 1 KiB for its id (three times: new, scheduled,
     finished), sampling parameters (at most ``MAX_STOP_TOKEN_IDS`` stop token ids, 640 bytes) and
-    framing."""
-    per_request = 1024 + 5 * (-(-max_model_len // block_size))
+    framing, plus the logits processors' lists at their caps (``sampling_lists_bytes``)."""
+    per_request = 1024 + sampling_lists_bytes() + 5 * (-(-max_model_len // block_size))
     bound = 5 * max_num_batched_tokens + max_num_seqs * per_request + 4096
     return -(-bound // (1 << 20)) * (1 << 20)
+
+
+def sampling_lists_bytes() -> int:
+    """The most one request's logits-processor fields add to its ``SamplingParams`` (msgpack): the
+    logit_bias map (a 5-byte id and a 9-byte float64 an entry), allowed_token_ids, the bad words'
+    sequences (a 3-byte array header each) and their tokens, each list with its header, and the
+    four floats (9 bytes each)."""
+    return (
+        3
+        + 14 * MAX_LOGIT_BIAS_ENTRIES
+        + 3
+        + 5 * MAX_ALLOWED_TOKEN_IDS
+        + 3
+        + 3 * MAX_BAD_WORDS
+        + 5 * MAX_BAD_WORDS_TOKENS
+        + 4 * 9
+    )

@@ -3,7 +3,17 @@
 It keeps, per request, the block table and sampling parameters the scheduler sent when the request
 was first scheduled (``new_requests``), extends the table with each step's new blocks, and forgets
 requests the scheduler reports finished or preempted. Everything else — which tokens, at which
-positions — comes with each step, so the runner holds no other state than the KV cache itself.
+positions — comes with each step.
+
+Token history, for the logits processors that read it (penalties, bad words): a request that uses
+one has its sampler state (``RequestProcessors``) take in every token the runner computes for it,
+the prompt's and then the outputs' (an output becomes an input the step after it is sampled, so at
+each sample the history holds exactly the outputs so far). The tokens before a new request's first
+computed one (a prefix-cache hit, also on the return of a preempted request, which comes back with
+prompt and outputs as its tokens and ``num_prompt_tokens`` saying where outputs start) are not sent
+again: they are read from ``slot_tokens``, the token id of every KV slot, written with the KV itself
+each step (one scatter of the step's tokens, for every request: a cache hit can be on blocks any
+earlier request wrote). A request that uses no such processor keeps no history.
 
 All scheduled tokens of a step run as one flat sequence (continuous batching: prefill chunks and
 decodes in the same forward); ``paged_attention`` maps them onto the paged cache. Only the rows that
@@ -24,7 +34,7 @@ from trioserve.models.geometry import KVGeometry
 from trioserve.protocol.messages import SamplingParams
 from trioserve.protocol.step import SchedulerOutput
 from trioserve.worker.paged_attention import ATTN_IMPLEMENTATION, BatchLayout, PagedKVCache, PrefillSpan
-from trioserve.worker.sampler import Sampler, SamplingRow
+from trioserve.worker.sampler import RequestProcessors, Sampler, SamplingRow
 
 log = logging.getLogger("trioserve.worker")
 
@@ -47,6 +57,7 @@ class _Sequence:
     sampling: SamplingParams
     num_prompt_tokens: int
     stop_ids: tuple[int, ...]  # banned while fewer than min_tokens outputs exist
+    processors: RequestProcessors | None  # the sampler's state for its logits processors, if any
 
 
 @dataclass(slots=True)
@@ -75,8 +86,10 @@ class ModelRunner:
             model.dtype,
             self.device,
         )
-        self.sampler = Sampler(self.device)
+        self.sampler = Sampler(self.device, self.vocab_size)
         self.sequences: dict[str, _Sequence] = {}
+        # The token id in every KV slot (block * block_size + offset), for the histories above.
+        self.slot_tokens = torch.zeros(num_blocks * block_size, dtype=torch.long, device=self.device)
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
     @classmethod
@@ -105,15 +118,24 @@ class ModelRunner:
 
     def execute(self, step: SchedulerOutput) -> dict[str, list[int]]:
         for rid in (*step.finished_request_ids, *step.preempted_request_ids):
-            self.sequences.pop(rid, None)
+            gone = self.sequences.pop(rid, None)
+            if gone is not None and gone.processors is not None:
+                self.sampler.release(gone.processors)
         scheduled: list[_Scheduled] = []
         for new in step.new_requests:
             s = new.sampling
             stop_ids = list(s.stop_token_ids)
             if new.eos_token_id is not None and not s.ignore_eos:
                 stop_ids.append(new.eos_token_id)
+            old = self.sequences.get(new.request_id)
+            if old is not None and old.processors is not None:  # never expected; never leak a slot
+                self.sampler.release(old.processors)
             self.sequences[new.request_id] = _Sequence(
-                list(new.block_ids), s, new.num_prompt_tokens, tuple(stop_ids)
+                list(new.block_ids),
+                s,
+                new.num_prompt_tokens,
+                tuple(stop_ids),
+                self.sampler.processors(s, new.num_prompt_tokens),
             )
             scheduled.append(_Scheduled(new.request_id, new.token_ids, new.num_computed_tokens, new.samples))
         for running in step.running_requests:
@@ -126,7 +148,29 @@ class ModelRunner:
         if not scheduled:
             return {}
         with torch.inference_mode():
+            self._record_history(scheduled)
             return self._forward(scheduled)
+
+    def _record_history(self, scheduled: list[_Scheduled]) -> None:
+        """Hands each history-keeping request's tokens of this step to the sampler, preceded by any it
+        has not seen (a new request's cached prefix), read back from ``slot_tokens``."""
+        entries: list[tuple[RequestProcessors, list[int]]] = []
+        bs = self.block_size
+        for item in scheduled:
+            seq = self.sequences[item.request_id]
+            p = seq.processors
+            if p is None or not p.keeps_history:
+                continue
+            tokens = item.token_ids
+            if item.start > p.num_seen:
+                table = seq.block_ids
+                slots = [table[pos // bs] * bs + pos % bs for pos in range(p.num_seen, item.start)]
+                tokens = self.slot_tokens[slots].tolist() + tokens
+            elif item.start < p.num_seen:  # never expected: take only what is new
+                tokens = tokens[p.num_seen - item.start :]
+            entries.append((p, tokens))
+        if entries:
+            self.sampler.record(entries)
 
     def _forward(self, scheduled: list[_Scheduled]) -> dict[str, list[int]]:
         dev = self.device
@@ -144,8 +188,10 @@ class ModelRunner:
                 sample_ids.append(item.request_id)
                 sampling.append(self._sampling_row(item))
         layout = self._layout(scheduled, positions)
+        ids = torch.tensor([input_ids], device=dev)
+        self.slot_tokens[layout.write_blocks * self.block_size + layout.write_offsets] = ids[0]
         out = self.model(
-            input_ids=torch.tensor([input_ids], device=dev),
+            input_ids=ids,
             position_ids=torch.tensor([positions], device=dev),
             use_cache=False,
             logits_to_keep=torch.tensor(sample_rows, dtype=torch.long, device=dev),
@@ -162,7 +208,9 @@ class ModelRunner:
         s = seq.sampling
         output_index = item.start + len(item.token_ids) - seq.num_prompt_tokens
         banned = seq.stop_ids if output_index < s.min_tokens else ()
-        return SamplingRow(s.temperature, s.top_p, s.top_k, s.seed, output_index, banned)
+        return SamplingRow(
+            s.temperature, s.top_p, s.top_k, s.seed, output_index, banned, s.min_p, seq.processors
+        )
 
     def _layout(self, scheduled: list[_Scheduled], positions: list[int]) -> BatchLayout:
         dev = self.device

@@ -1,21 +1,99 @@
-"""Turning one step's logits into tokens: greedy, temperature, top-k, top-p, per-request seeds.
+"""Turning one step's logits into tokens: the logits processors, greedy, temperature, min-p, top-k,
+top-p, per-request seeds.
 
-Every row is sampled with the exponential race: ``argmax(p / q)`` with ``q ~ Exp(1)`` picks token ``i``
+Order of application (vLLM's), each stage over all the rows that use it at once, and skipped entirely
+when no row of the batch does:
+
+1. masks: ``allowed_token_ids`` (every other token to -inf), then ``bad_words`` (a word's last token
+   to -inf when the output so far ends with the rest of the word; a one-token word always), and the
+   banned ids (stop ids while fewer than ``min_tokens`` outputs exist);
+2. ``logit_bias``, added to the logits;
+3. penalties, from the request's token history: ``repetition_penalty`` over the prompt and output
+   tokens (a positive logit divided by it, a negative one multiplied, as vLLM and transformers do),
+   then ``frequency_penalty`` times each token's count in the output and ``presence_penalty`` times
+   whether it is there (OpenAI's formula). Greedy rows take the argmax of these logits;
+4. temperature;
+5. ``min_p``: tokens less likely than ``min_p`` times the most likely one are dropped;
+6. top-k, then top-p;
+7. the draw.
+
+Logprobs (to come) read the distribution that is sampled from, after all of the above (vLLM's
+``processed_logprobs``), so a returned logprob is the probability the token really had.
+
+Every row is drawn with the exponential race: ``argmax(p / q)`` with ``q ~ Exp(1)`` picks token ``i``
 with probability ``p_i``, so a row needs exactly one draw of noise per vocabulary entry, and a seeded row
 draws it from its own generator. That generator is re-seeded from ``(seed, output index)`` for every
 token, so a seeded request gives the same tokens whatever else is in the batch and even after a
-preemption recomputes it (the output index is a position, not a count of calls).
+preemption recomputes it (the output index is a position, not a count of calls). Stages 1-6 are
+functions of the row's own logits and history only, so the seed stays reproducible with them on.
+
+State: the penalties read per-request token histories kept in one pool on the device
+(``TokenCounts``: row ``slot`` of a request holds the distinct tokens it has seen and its output
+tokens' counts), filled by ``record`` as the runner computes tokens; ``RequestProcessors`` holds the
+rest of a request's processors, built once when the request arrives. Requests without processors have
+neither.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from trioserve.protocol.messages import SamplingParams
+
 GREEDY_BELOW = 1e-5  # temperatures under this are greedy (vLLM's epsilon)
 _MASK64 = (1 << 63) - 1
+_NEG_INF = float("-inf")
+
+
+class RequestProcessors:
+    """One request's logits processors, built once (``Sampler.processors``), and the part of its token
+    history the bad words read. ``num_seen``: how many of its tokens (positions 0, 1, ...) ``record``
+    has taken in."""
+
+    __slots__ = (
+        "allowed",
+        "bad_multi",
+        "bad_single",
+        "bias_ids",
+        "bias_values",
+        "frequency",
+        "num_prompt_tokens",
+        "num_seen",
+        "out_cols",
+        "outputs",
+        "presence",
+        "repetition",
+        "seen",
+        "slot",
+    )
+
+    def __init__(self, num_prompt_tokens: int) -> None:
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_seen = 0
+        self.allowed: torch.Tensor | None = None  # token ids (long, on the device)
+        self.bias_ids: torch.Tensor | None = None
+        self.bias_values: torch.Tensor | None = None
+        self.bad_single: tuple[int, ...] = ()  # one-token bad words: always banned
+        # Longer bad words by the last token of their prefix: (prefix, the token it bans).
+        self.bad_multi: dict[int, list[tuple[tuple[int, ...], int]]] = {}
+        self.outputs: list[int] | None = None  # output tokens so far, kept only for bad_multi
+        self.presence = 0.0
+        self.frequency = 0.0
+        self.repetition = 1.0
+        self.slot: int | None = None  # row in the sampler's TokenCounts (any penalty on)
+        # Where TokenCounts keeps this request's tokens: the distinct tokens seen, prompt and output, in
+        # the order their columns were given (repetition_penalty only); each distinct output token's
+        # column (frequency or presence penalty only).
+        self.seen: dict[int, None] | None = None
+        self.out_cols: dict[int, int] | None = None
+
+    @property
+    def keeps_history(self) -> bool:
+        return self.slot is not None or self.outputs is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +104,8 @@ class SamplingRow:
     seed: int | None = None
     output_index: int = 0  # which output token this sample becomes (0 = the first)
     banned: tuple[int, ...] = ()  # token ids that may not be sampled (stop ids before min_tokens)
+    min_p: float = 0.0  # 0: off
+    processors: RequestProcessors | None = None  # the request's own; None: it uses none
 
     @property
     def greedy(self) -> bool:
@@ -40,35 +120,350 @@ def seed_for(seed: int, output_index: int) -> int:
     return (z ^ (z >> 31)) & _MASK64
 
 
-class Sampler:
+class TokenCounts:
+    """The penalties' per-request state, pooled on the device, one row (``slot``) per request that
+    uses a penalty, and sparse: ``seen[slot, :n]`` the distinct tokens it has seen, prompt and output
+    (for repetition_penalty), ``out_ids[slot, :m]`` the distinct tokens of its output and
+    ``out_counts[slot, :m]`` their counts (for the frequency and presence penalties). Which column
+    holds which token is kept on the request (``RequestProcessors.seen`` and ``out_cols``), so taking
+    in a step's tokens is one scatter per tensor for all requests, and a step's penalties touch only
+    the tokens each row has seen, never the whole vocabulary (a dense ``[rows, vocab]`` pool of counts
+    costs several times more per step on the CPU, and rebuilding counts from token lists every step
+    more still: ``bench/sampler_cost.py``). Rows and columns grow by doubling; a released row is
+    reused."""
+
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.seen = torch.zeros(0, 0, dtype=torch.long, device=device)
+        self.out_ids = torch.zeros(0, 0, dtype=torch.long, device=device)
+        self.out_counts = torch.zeros(0, 0, device=device)
+        self._free: list[int] = []
+
+    @property
+    def capacity(self) -> int:
+        return self.seen.shape[0]
+
+    def acquire(self) -> int:
+        if not self._free:
+            old = self.capacity
+            self._grow(max(8, 2 * old), self.seen.shape[1], self.out_ids.shape[1])
+            self._free = list(range(self.capacity - 1, old - 1, -1))
+        slot = self._free.pop()
+        self.out_counts[slot].zero_()  # counts accumulate; ids are only read up to each row's length
+        return slot
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def fit(self, seen_width: int, out_width: int) -> None:
+        """Room for ``seen_width`` seen tokens and ``out_width`` distinct output tokens in every row."""
+        seen, out = self.seen.shape[1], self.out_ids.shape[1]
+        if seen_width > seen or out_width > out:
+            self._grow(self.capacity, _wider(seen, seen_width), _wider(out, out_width))
+
+    def _grow(self, rows: int, seen_width: int, out_width: int) -> None:
+        def bigger(old: torch.Tensor, width: int) -> torch.Tensor:
+            new = torch.zeros(rows, width, dtype=old.dtype, device=self.device)
+            new[: old.shape[0], : old.shape[1]] = old
+            return new
+
+        # Normal tensors even when grown under the runner's inference mode: they are updated in place
+        # outside it too (a new request's row is cleared when it arrives).
+        with torch.inference_mode(False):
+            self.seen = bigger(self.seen, seen_width)
+            self.out_ids = bigger(self.out_ids, out_width)
+            self.out_counts = bigger(self.out_counts, out_width)
+
+    def counts_of(self, p: RequestProcessors) -> dict[int, float]:
+        """A request's output-token counts (for tests and debugging)."""
+        assert p.slot is not None and p.out_cols is not None
+        return {t: float(self.out_counts[p.slot, j]) for t, j in p.out_cols.items()}
+
+    def seen_of(self, p: RequestProcessors) -> list[int]:
+        """The distinct tokens a request has seen, as its row holds them (for tests and debugging)."""
+        assert p.slot is not None and p.seen is not None
+        ids: list[int] = self.seen[p.slot, : len(p.seen)].tolist()
+        return ids
+
+
+def _wider(have: int, need: int) -> int:
+    return have if need <= have else max(need, 2 * have, 64)
+
+
+class Sampler:
+    def __init__(self, device: torch.device, vocab_size: int = 0) -> None:
+        """``vocab_size``: the logits' width, which the processors' token ids are checked against (0:
+        unknown, nothing is checked; the runner always gives it)."""
+        self.device = device
+        self.vocab_size = vocab_size
         self._generator = torch.Generator(device=device)  # re-seeded per seeded row
+        self.token_counts = TokenCounts(device)
+
+    # ---- per-request state ---------------------------------------------------------------------------
+
+    def processors(self, params: SamplingParams, num_prompt_tokens: int) -> RequestProcessors | None:
+        """The request's processors, or None when it uses none (its rows then cost nothing extra).
+        Token ids outside the vocabulary (the API server refuses them; this is the worker's own guard)
+        are dropped."""
+        vocab = self.vocab_size or 2**31
+        penalized = (
+            params.presence_penalty != 0.0
+            or params.frequency_penalty != 0.0
+            or params.repetition_penalty != 1.0
+        )
+        if not (penalized or params.logit_bias or params.allowed_token_ids or params.bad_words_token_ids):
+            return None
+        p = RequestProcessors(num_prompt_tokens)
+        dev = self.device
+        if params.allowed_token_ids:
+            allowed = sorted({t for t in params.allowed_token_ids if 0 <= t < vocab})
+            if allowed:  # none left would leave nothing to sample: then no restriction
+                p.allowed = torch.tensor(allowed, dtype=torch.long, device=dev)
+        if params.logit_bias:
+            bias = {t: b for t, b in params.logit_bias.items() if 0 <= t < vocab and b != 0}
+            if bias:
+                p.bias_ids = torch.tensor(list(bias), dtype=torch.long, device=dev)
+                p.bias_values = torch.tensor(list(bias.values()), dtype=torch.float32, device=dev)
+        if params.bad_words_token_ids:
+            single: set[int] = set()
+            for word in params.bad_words_token_ids:
+                if not word or not all(0 <= t < vocab for t in word):
+                    continue
+                if len(word) == 1:
+                    single.add(word[0])
+                else:
+                    prefix = tuple(word[:-1])
+                    p.bad_multi.setdefault(prefix[-1], []).append((prefix, word[-1]))
+            p.bad_single = tuple(sorted(single))
+            if p.bad_multi:
+                p.outputs = []
+        if penalized:
+            p.presence = params.presence_penalty
+            p.frequency = params.frequency_penalty
+            p.repetition = params.repetition_penalty
+            p.slot = self.token_counts.acquire()
+            if p.repetition != 1.0:
+                p.seen = {}
+            if p.presence != 0.0 or p.frequency != 0.0:
+                p.out_cols = {}
+        return p
+
+    def release(self, processors: RequestProcessors) -> None:
+        if processors.slot is not None:
+            self.token_counts.release(processors.slot)
+            processors.slot = None
+
+    def record(self, entries: Iterable[tuple[RequestProcessors, Sequence[int]]]) -> None:
+        """Take in tokens just computed: each entry's tokens are its request's next positions
+        (``num_seen`` on), prompt tokens up to ``num_prompt_tokens``, outputs after. One scatter per
+        pooled tensor for all the entries."""
+        seen_at: tuple[list[int], list[int]] = ([], [])
+        seen_ids: list[int] = []
+        new_at: tuple[list[int], list[int]] = ([], [])
+        new_ids: list[int] = []
+        counted_at: tuple[list[int], list[int]] = ([], [])
+        seen_width = out_width = 0
+        for p, tokens in entries:
+            split = min(max(p.num_prompt_tokens - p.num_seen, 0), len(tokens))
+            p.num_seen += len(tokens)
+            outputs = tokens[split:]
+            if p.outputs is not None:
+                p.outputs.extend(outputs)
+            slot = p.slot
+            if slot is None:
+                continue
+            seen = p.seen
+            if seen is not None:  # prompt and output tokens alike
+                for t in tokens:
+                    if t not in seen:
+                        seen_at[0].append(slot)
+                        seen_at[1].append(len(seen))
+                        seen_ids.append(t)
+                        seen[t] = None
+                seen_width = max(seen_width, len(seen))
+            cols = p.out_cols
+            if cols is not None:
+                for t in outputs:
+                    j = cols.get(t)
+                    if j is None:
+                        j = cols[t] = len(cols)
+                        new_at[0].append(slot)
+                        new_at[1].append(j)
+                        new_ids.append(t)
+                    counted_at[0].append(slot)
+                    counted_at[1].append(j)
+                out_width = max(out_width, len(cols))
+        if not (seen_ids or counted_at[0]):
+            return
+        tc = self.token_counts
+        tc.fit(seen_width, out_width)
+        dev = self.device
+
+        def at(index: tuple[list[int], list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+            return torch.tensor(index[0], device=dev), torch.tensor(index[1], device=dev)
+
+        if seen_ids:
+            tc.seen[at(seen_at)] = torch.tensor(seen_ids, device=dev)
+        if new_ids:
+            tc.out_ids[at(new_at)] = torch.tensor(new_ids, device=dev)
+        if counted_at[0]:
+            ones = torch.ones(len(counted_at[0]), device=dev)
+            tc.out_counts.index_put_(at(counted_at), ones, accumulate=True)
+
+    # ---- one step ------------------------------------------------------------------------------------
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
         """``logits``: ``[len(rows), vocab]``. Returns one token id per row."""
-        logits = logits.float()
-        for i, row in enumerate(rows):
-            if row.banned:
-                logits[i, list(row.banned)] = float("-inf")
+        logits = self.process(logits, rows)
         if all(row.greedy for row in rows):
             return logits.argmax(dim=-1).tolist()
-        vocab = logits.shape[-1]
-        temps = torch.tensor([1.0 if r.greedy else r.temperature for r in rows], device=logits.device)
-        scaled = logits / temps.unsqueeze(1)
-        if any(0 < r.top_k < vocab or r.top_p < 1.0 for r in rows):
-            scaled = _top_k_top_p(scaled, rows, vocab)
+        scaled = self.warp(logits, rows)
         probs = torch.softmax(scaled, dim=-1)
-        noise = torch.empty_like(probs).exponential_()
-        for i, row in enumerate(rows):
-            if row.seed is not None and not row.greedy:
-                self._generator.manual_seed(seed_for(row.seed, row.output_index))
-                noise[i].exponential_(generator=self._generator)
-        tokens = (probs / noise).argmax(dim=-1)
         greedy = [i for i, row in enumerate(rows) if row.greedy]
+        # One draw of noise per vocabulary entry of each sampled row: seeded rows from their own
+        # generator, the others from the global one (all at once when no row is seeded).
+        seeded = [
+            (i, r.seed, r.output_index) for i, r in enumerate(rows) if r.seed is not None and not r.greedy
+        ]
+        noise = torch.empty_like(probs)
+        if not seeded:
+            noise.exponential_()
+        else:
+            for i, seed, output_index in seeded:
+                self._generator.manual_seed(seed_for(seed, output_index))
+                noise[i].exponential_(generator=self._generator)
+            skip = {i for i, _, _ in seeded} | set(greedy)  # greedy rows take the argmax below
+            others = [i for i in range(len(rows)) if i not in skip]
+            if others:
+                noise[others] = torch.empty(len(others), probs.shape[-1], device=probs.device).exponential_()
+            if greedy:
+                noise[greedy] = 1.0
+        tokens = (probs / noise).argmax(dim=-1)
         if greedy:
             tokens[greedy] = logits[greedy].argmax(dim=-1)
         return tokens.tolist()
+
+    def process(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Stages 1-3 (masks, logit_bias, penalties): the logits greedy rows take the argmax of.
+        Float32; in place when they already are."""
+        logits = logits.float()
+        dev = logits.device
+        width = logits.shape[-1]
+        with_processors = [(i, r.processors) for i, r in enumerate(rows) if r.processors is not None]
+        allowed = [(i, p.allowed) for i, p in with_processors if p.allowed is not None]
+        if allowed:
+            _keep_only(logits, allowed)
+        ban_rows: list[int] = []
+        ban_ids: list[int] = []
+        for i, row in enumerate(rows):
+            if row.banned:
+                ban_rows += [i] * len(row.banned)
+                ban_ids += row.banned
+        for i, p in with_processors:
+            if p.bad_single:
+                ban_rows += [i] * len(p.bad_single)
+                ban_ids += p.bad_single
+            if p.outputs:
+                for prefix, token in p.bad_multi.get(p.outputs[-1], ()):
+                    n = len(prefix)
+                    if len(p.outputs) >= n and tuple(p.outputs[-n:]) == prefix:
+                        ban_rows.append(i)
+                        ban_ids.append(token)
+        if ban_ids and max(ban_ids) >= width:  # a stop id past the vocabulary can never be drawn anyway
+            keep = [k for k, t in enumerate(ban_ids) if t < width]
+            ban_rows = [ban_rows[k] for k in keep]
+            ban_ids = [ban_ids[k] for k in keep]
+        if ban_ids:
+            logits[torch.tensor(ban_rows, device=dev), torch.tensor(ban_ids, device=dev)] = _NEG_INF
+        biased = [(i, p) for i, p in with_processors if p.bias_ids is not None]
+        if biased:
+            ids = [p.bias_ids for _, p in biased]
+            values = [p.bias_values for _, p in biased]
+            index = (_row_index([i for i, _ in biased], ids, dev), torch.cat(ids))  # type: ignore[arg-type]
+            logits.index_put_(index, torch.cat(values), accumulate=True)  # type: ignore[arg-type]
+        penalized = [(i, p) for i, p in with_processors if p.slot is not None]
+        if penalized:
+            self._penalize(logits, penalized)
+        return logits
+
+    def _penalize(self, logits: torch.Tensor, penalized: list[tuple[int, RequestProcessors]]) -> None:
+        """Only the tokens a row has seen are touched: its columns of the pooled tensors, up to its
+        length, are gathered for all the rows at once, and just those logits change."""
+        dev = logits.device
+        tc = self.token_counts
+        repeating = [(i, p) for i, p in penalized if p.seen is not None]
+        if repeating:
+            r, c, row = _columns(repeating, [len(p.seen or ()) for _, p in repeating], dev)
+            token = tc.seen[torch.tensor([p.slot for _, p in repeating], device=dev)[r], c]
+            factor = torch.tensor([p.repetition for _, p in repeating], device=dev)[r]
+            x = logits[row, token]
+            logits[row, token] = torch.where(x > 0, x / factor, x * factor)
+        counted = [(i, p) for i, p in penalized if p.out_cols]
+        if counted:
+            r, c, row = _columns(counted, [len(p.out_cols or ()) for _, p in counted], dev)
+            slot = torch.tensor([p.slot for _, p in counted], device=dev)[r]
+            token = tc.out_ids[slot, c]
+            frequency = torch.tensor([p.frequency for _, p in counted], device=dev)[r]
+            presence = torch.tensor([p.presence for _, p in counted], device=dev)[r]
+            logits[row, token] -= frequency * tc.out_counts[slot, c] + presence
+
+    def warp(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Stages 4-6 (temperature, min-p, top-k and top-p) on processed logits: the logits of the
+        distribution sampled from (greedy rows keep temperature 1 and are not cut)."""
+        vocab = logits.shape[-1]
+        temps = torch.tensor([1.0 if r.greedy else r.temperature for r in rows], device=logits.device)
+        scaled = logits / temps.unsqueeze(1)
+        min_p = [(i, r.min_p) for i, r in enumerate(rows) if r.min_p > 0.0 and not r.greedy]
+        if min_p:
+            _min_p(scaled, min_p)
+        if any(0 < r.top_k < vocab or r.top_p < 1.0 for r in rows):
+            scaled = _top_k_top_p(scaled, rows, vocab)
+        return scaled
+
+
+def _columns(
+    rows: list[tuple[int, RequestProcessors]], lengths: list[int], dev: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For rows holding ``lengths`` entries each: every entry's position in ``rows``, its column, and
+    its row of the logits."""
+    n = torch.tensor(lengths, device=dev)
+    r = torch.repeat_interleave(torch.arange(len(rows), device=dev), n)
+    starts = torch.cumsum(n, 0) - n
+    c = torch.arange(int(n.sum()), device=dev) - starts[r]
+    return r, c, torch.tensor([i for i, _ in rows], device=dev)[r]
+
+
+def _row_index(rows: list[int], ids: list[torch.Tensor], dev: torch.device) -> torch.Tensor:
+    """The row of every id in ``torch.cat(ids)``: each row index repeated for its tensor's length."""
+    lengths = torch.tensor([len(t) for t in ids], device=dev)
+    return torch.repeat_interleave(torch.tensor(rows, device=dev), lengths)
+
+
+def _keep_only(logits: torch.Tensor, allowed: list[tuple[int, torch.Tensor]]) -> None:
+    """``allowed_token_ids``: every other token of each such row to -inf."""
+    dev = logits.device
+    ids = [t for _, t in allowed]
+    rows = [i for i, _ in allowed]
+    index = (_row_index(rows, ids, dev), torch.cat(ids))
+    kept = logits[index]
+    logits[rows] = _NEG_INF
+    logits[index] = kept
+
+
+def _min_p(scaled: torch.Tensor, rows: list[tuple[int, float]]) -> None:
+    """Drops (to -inf) the tokens whose probability is below ``min_p`` times the top one's: in logits,
+    ``p_i < min_p * p_max`` is ``s_i - s_max < log(min_p)``, so no softmax is needed. The top token
+    always stays."""
+    index = [i for i, _ in rows]
+    whole = len(index) == scaled.shape[0]
+    sub = scaled if whole else scaled[index]
+    floor = torch.tensor([math.log(m) for _, m in rows], device=scaled.device).unsqueeze(1)
+    threshold = sub.amax(dim=-1, keepdim=True) + floor
+    sub = sub.masked_fill(sub < threshold, _NEG_INF)
+    if whole:
+        scaled.copy_(sub)
+    else:
+        scaled[index] = sub
 
 
 def _top_k_top_p(scaled: torch.Tensor, rows: Sequence[SamplingRow], vocab: int) -> torch.Tensor:

@@ -2,11 +2,19 @@
 
 Admin and metadata routes live here. The generation routes and the WebSocket are never served by
 this app: the accept loop owns every connection and serves those itself, calling this app per
-request for everything else (``asgi_host.py``), so no response here streams.
+request for everything else (``asgi_host.py``), so no response here streams. The API key, CORS and
+the X-Request-Id echo are the accept loop's too (``access.py``): they apply before a request gets here.
+
+Routes: ``GET /health`` and ``GET|POST /ping`` (200, or 503 while draining or without an engine;
+``/ping`` is SageMaker's name for it, as in vLLM), ``GET /load`` (vLLM's ``{"server_load": N}``: the
+requests this API server holds, rendering ones included), ``GET /version``, ``GET /metrics``,
+``GET /v1/models`` and ``GET /v1/models/{id}`` (404 with an OpenAI body for a name not served),
+``POST /tokenize`` and ``POST /detokenize``.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import time
 from collections.abc import Callable
 
@@ -38,6 +46,13 @@ def _error(exc: ApiError) -> QuartResponse:
     return response
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("trioserve")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
 def create_app(serving: Serving, metrics_text: Callable[[], str], max_request_body_bytes: int) -> QuartTrio:
     served = serving.model
     app = QuartTrio("trioserve")
@@ -57,6 +72,8 @@ def create_app(serving: Serving, metrics_text: Callable[[], str], max_request_bo
     async def api_error(exc: ApiError) -> QuartResponse:
         return _error(exc)
 
+    version = msgspec.json.encode({"version": _version()})
+
     @app.get("/health")
     async def health() -> QuartResponse:
         if serving.draining:  # a balancer should move away before the listener is gone
@@ -68,24 +85,42 @@ def create_app(serving: Serving, metrics_text: Callable[[], str], max_request_bo
             return _json(error_body(503, stall.message), 503)
         return QuartResponse(b"", status=200)
 
+    @app.route("/ping", methods=["GET", "POST"])
+    async def ping() -> QuartResponse:
+        return await health()
+
+    @app.get("/load")
+    async def load() -> QuartResponse:
+        return _json(msgspec.json.encode({"server_load": serving.admission.in_flight}))
+
+    @app.get("/version")
+    async def show_version() -> QuartResponse:
+        return _json(version)
+
     @app.get("/metrics")
     async def metrics() -> QuartResponse:
         return QuartResponse(metrics_text(), status=200, content_type="text/plain; version=0.0.4")
 
+    def model_card(name: str) -> dict[str, object]:
+        return {
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "trioserve",
+            "root": served.model or name,
+            "max_model_len": served.max_model_len,
+        }
+
     @app.get("/v1/models")
     async def models() -> QuartResponse:
-        data = [
-            {
-                "id": name,
-                "object": "model",
-                "created": created,
-                "owned_by": "trioserve",
-                "root": served.model or name,
-                "max_model_len": served.max_model_len,
-            }
-            for name in served.model_names
-        ]
+        data = [model_card(name) for name in served.model_names]
         return _json(msgspec.json.encode({"object": "list", "data": data}))
+
+    @app.get("/v1/models/<path:model_id>")  # names may hold slashes (org/model)
+    async def model(model_id: str) -> QuartResponse:
+        if model_id not in served.model_names:
+            raise ApiError(404, f"The model `{model_id}` does not exist.", param="model")
+        return _json(msgspec.json.encode(model_card(model_id)))
 
     @app.post("/tokenize")
     async def tokenize() -> QuartResponse:
@@ -94,7 +129,7 @@ def create_app(serving: Serving, metrics_text: Callable[[], str], max_request_bo
         tok = serving.tokenizer
         if req.messages is not None:
             messages = message_dicts(req.messages)
-            ids = await serving.render(tok.apply_chat_template, messages, req.add_generation_prompt, None)
+            ids = await serving.render(serving.apply_chat_template, messages, req.add_generation_prompt)
         elif req.prompt is not None:
             ids = await serving.render(tok.encode, req.prompt, req.add_special_tokens)
         else:

@@ -15,12 +15,13 @@ Rules:
   (``Content-Length`` when the app gives one, else chunked, or close-delimited for HTTP/1.0) and
   whether the connection can be reused.
 - A response to ``HEAD`` goes out without its body (the app may send one).
+- The edge's headers for the request (CORS, X-Request-Id) are added to the app's response head.
 - The app's lifespan (startup, shutdown) runs once, in ``run``, through hypercorn's lifespan driver.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 from urllib.parse import unquote
 
@@ -64,10 +65,12 @@ class AsgiHost:
         *,
         client: Address,
         server: Address,
-    ) -> None:
+        headers: Sequence[tuple[bytes, bytes]] = (),
+    ) -> int:
         """Serve ``request`` (whose whole ``body`` was read) with the app, writing the response
-        through ``conn``. Returns when the app returns; the caller checks ``conn``'s states to see
-        whether the response is complete and the connection reusable."""
+        through ``conn`` with ``headers`` added. Returns the response's status (0 if the app sent
+        none) when the app returns; the caller checks ``conn``'s states to see whether the response
+        is complete and the connection reusable."""
         raw_path, _, query = request.target.partition(b"?")
         scope = {
             "type": "http",
@@ -87,6 +90,7 @@ class AsgiHost:
         }
         body_given = False
         head_only = request.method == b"HEAD"
+        status = 0
 
         async def receive() -> dict[str, Any]:
             nonlocal body_given
@@ -97,9 +101,11 @@ class AsgiHost:
             raise AssertionError("unreachable")
 
         async def send(message: dict[str, Any]) -> None:
+            nonlocal status
             kind = message["type"]
             if kind == "http.response.start":
-                head = h11.Response(status_code=message["status"], headers=list(message.get("headers", ())))
+                status = message["status"]
+                head = h11.Response(status_code=status, headers=[*message.get("headers", ()), *headers])
                 await send_bytes(conn.send(head) or b"")
             elif kind == "http.response.body":
                 # A response to HEAD has no body, whatever the app sends (h11 refuses one).
@@ -111,3 +117,4 @@ class AsgiHost:
                     await send_bytes(out)
 
         await self._app(scope, receive, send)
+        return status

@@ -15,6 +15,12 @@ Limits (the same for every route, because this loop reads every request):
 - after any error that leaves the request unread, and on ``Connection: close``, the connection closes
   (h11 decides reuse; we never start a next cycle it does not allow).
 
+Before routing, every request head goes through the gate (``access.py``): a CORS preflight is
+answered, a protected route without the API key gets 401, and what the gate adds (CORS headers,
+the X-Request-Id echo) goes on the response whichever path serves it. Each request that got a
+response gets one access-log line at its end (``frontend/access_log.py``); one whose client left
+before any response is logged with status 499.
+
 Drain (``HttpServer.drain``): the listener closes at once, idle keep-alive connections are closed,
 and a request that still arrives on an open connection gets 503 with ``Connection: close``.
 Connection faults (out of file descriptors) never end the accept loop: it closes idle connections
@@ -27,15 +33,20 @@ import contextlib
 import errno
 import logging
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from functools import partial
 
 import h11
 import trio
 
+from trioserve.config import AccessConfig
+from trioserve.frontend.access_log import AccessLog, AccessRecord
+from trioserve.frontend.edge.access import REQUEST_ID_HEADER, Gate, Verdict
 from trioserve.frontend.edge.asgi_host import AsgiHost
 from trioserve.frontend.edge.http_sink import HttpSink, send_all
 from trioserve.frontend.output.chunks import Kind
+from trioserve.frontend.output.responses import Response
 from trioserve.frontend.request.errors import ApiError
 from trioserve.frontend.serving import Serving
 from trioserve.runtime.sync import Waker
@@ -51,6 +62,7 @@ _ACCEPT_BATCH = 64
 HEAD_TIMEOUT = 5.0  # seconds for a complete request head (idle keep-alive included)
 BODY_TIMEOUT = 30.0  # seconds to read a request body
 LINGER = 2.0  # seconds to keep reading (and discarding) after an error reply, before closing
+CLIENT_LEFT = 499  # access-log status of a request whose client left before any response (nginx's)
 # accept() errors that mean "out of a resource for now", never "stop serving".
 _RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
@@ -69,8 +81,10 @@ class HttpConnection:
         "_h11",
         "_idle_scope",
         "_linger",
+        "_request",
         "_server",
         "_sock",
+        "_started",
         "upgraded",
     )
 
@@ -82,6 +96,8 @@ class HttpConnection:
         self._idle_scope: trio.CancelScope | None = None  # set while waiting for a head, no byte of it read
         self.upgraded = False  # a WebSocket connection owns the socket now
         self._linger = False  # an error reply went out before the request was read: close gently
+        self._request: h11.Request | None = None  # the request being served, until its log line
+        self._started = 0.0  # wall clock when its head was read
 
     def close_if_idle(self) -> bool:
         """Close the connection if it waits for a next request of which no byte has arrived."""
@@ -124,6 +140,7 @@ class HttpConnection:
         if not self.upgraded and self._h11.our_state in (h11.IDLE, h11.SEND_RESPONSE):
             body = ApiError(500, "internal server error (logged)").body()
             HttpSink(self._sock, self._h11).full(500, body, close=True)
+            self._log(500)
 
     def _reply_error(self, status: int, message: str, *, retry_after: int | None = None) -> None:
         """An error response after which the connection closes (its request may be partly unread)."""
@@ -131,6 +148,7 @@ class HttpConnection:
             body = ApiError(status, message).body()
             HttpSink(self._sock, self._h11).full(status, body, close=True, retry_after=retry_after)
             self._linger = True
+            self._log(status)
 
     async def linger(self) -> None:
         """Before closing after an error reply: a close with unread input makes the kernel send a
@@ -181,17 +199,24 @@ class HttpConnection:
                 request = await self._next_request()
                 if request is None:
                     return
+                self._request, self._started = request, time.time()
                 if not self._within_limits(request):
                     return
                 if server.draining:
                     self._reply_error(503, "the server is shutting down", retry_after=1)
                     return
                 path = request.target.split(b"?", 1)[0]
-                if path == WS_PATH and request.method == b"GET" and server.upgrade is not None:
+                verdict = server.gate.check(request.method, path, request.headers)
+                # A refused upgrade (401) is read and answered below, like any other request.
+                upgrade = path == WS_PATH and request.method == b"GET" and verdict.reply is None
+                if upgrade and server.upgrade is not None:
                     session = server.upgrade(self._sock, bytes(self._cycle_bytes))
                     if session is not None:
                         self.upgraded = True  # from here on the session owns (and closes) the socket
-                        await session()
+                        try:
+                            await session()
+                        finally:
+                            self._log(101)
                         return
                     self._reply_error(426, "this route needs a WebSocket upgrade (RFC 6455, version 13)")
                     return
@@ -203,19 +228,34 @@ class HttpConnection:
                 if body is None:
                     return
                 kind = FAST_ROUTES.get(path)
-                if kind is not None and request.method == b"POST":
-                    await self._generate(kind, body)
-                elif kind is not None:
-                    await self._method_not_allowed(request.method == b"HEAD")
+                head_only = request.method == b"HEAD"
+                response: Response | None = None
+                request_id = verdict.request_id
+                if verdict.reply is None and kind is not None and request.method == b"POST":
+                    status, response, request_id = await self._generate(kind, body, verdict)
                 else:
-                    await server.asgi.call(
-                        request,
-                        body,
-                        self._h11,
-                        self._send_all,
-                        client=_address(self._sock.getpeername),
-                        server=_address(self._sock.getsockname),
-                    )
+                    echo: list[tuple[bytes, bytes]] = []
+                    if server.gate.echo_request_id:  # the client's own, or a fresh one
+                        request_id = request_id or server.serving.new_request_id()
+                        echo = [(REQUEST_ID_HEADER, request_id.encode())]
+                    if verdict.reply is not None:  # a preflight, a 401
+                        reply = verdict.reply
+                        status = await self._answer(reply.status, reply.body, reply.headers + echo, head_only)
+                    elif kind is not None:
+                        message = "The method is not allowed for the requested URL."
+                        headers = [(b"allow", b"POST"), *verdict.headers, *echo]
+                        status = await self._answer(405, ApiError(405, message).body(), headers, head_only)
+                    else:
+                        status = await server.asgi.call(
+                            request,
+                            body,
+                            self._h11,
+                            self._send_all,
+                            client=_address(self._sock.getpeername),
+                            server=_address(self._sock.getsockname),
+                            headers=verdict.headers + echo,
+                        )
+                self._log(status, response, request_id)
                 if self._h11.our_state is not h11.DONE or self._h11.their_state is not h11.DONE:
                     return
                 self._h11.start_next_cycle()
@@ -259,32 +299,70 @@ class HttpConnection:
             else:
                 return None
 
-    async def _method_not_allowed(self, head_only: bool) -> None:
-        body = ApiError(405, "The method is not allowed for the requested URL.").body()
-        headers = [
-            (b"content-type", b"application/json"),
-            (b"content-length", b"%d" % len(body)),
-            (b"allow", b"POST"),
-        ]
+    async def _answer(
+        self, status: int, body: bytes, headers: list[tuple[bytes, bytes]], head_only: bool
+    ) -> int:
+        """A whole response the edge gives itself (a preflight, a 401, a 405); the connection stays
+        usable. Returns ``status``."""
+        if body:
+            length = b"%d" % len(body)
+            headers = [*headers, (b"content-type", b"application/json"), (b"content-length", length)]
         conn = self._h11
-        out = conn.send(h11.Response(status_code=405, headers=headers)) or b""
-        if not head_only:  # a response to HEAD has no body (h11 refuses one)
+        out = conn.send(h11.Response(status_code=status, headers=headers)) or b""
+        if body and not head_only:  # a response to HEAD has no body (h11 refuses one)
             out += conn.send(h11.Data(data=body)) or b""
         out += conn.send(h11.EndOfMessage()) or b""
         await self._send_all(out)
+        return status
+
+    def _log(self, status: int, response: Response | None = None, request_id: str | None = None) -> None:
+        """The access-log line of the request being served, once, at its end (nothing per token)."""
+        request, self._request = self._request, None
+        access = self._server.access_log
+        if request is None or access is None or not access.wanted(request.target.split(b"?", 1)[0]):
+            return
+        ttft = prompt_tokens = output_tokens = None
+        if response is not None:
+            prompt_tokens, output_tokens = response.prompt_tokens, response.completion_tokens
+            if response.first_token_time:
+                ttft = response.first_token_time - self._started
+        access.write(
+            AccessRecord(
+                client=_address(self._sock.getpeername),
+                method=request.method.decode("ascii"),
+                target=request.target.decode("latin-1"),
+                http_version=request.http_version.decode("ascii"),
+                status=status or CLIENT_LEFT,
+                duration=time.time() - self._started,
+                prompt_tokens=prompt_tokens,
+                output_tokens=output_tokens,
+                ttft=ttft,
+                request_id=request_id,
+            )
+        )
 
     def _too_large(self, max_body: int) -> None:
         self._reply_error(413, f"request body is larger than the limit of {max_body} bytes")
 
-    async def _generate(self, kind: Kind, body: bytes) -> None:
+    async def _generate(self, kind: Kind, body: bytes, verdict: Verdict) -> tuple[int, Response | None, str]:
+        """Serve a generation request; returns its status (0: the client left before any), its
+        response (None if refused) and its request id."""
         serving = self._server.serving
-        sink = HttpSink(self._sock, self._h11)
+        # Unique across the deployment, with the client's X-Request-Id in front when it sent one: two
+        # clients that send the same one still get distinct response ids and engine requests.
+        request_id = serving.new_request_id()
+        if verdict.request_id is not None:
+            request_id = f"{verdict.request_id}-{request_id}"
+        headers = verdict.headers
+        if self._server.gate.echo_request_id:  # the client's own, or the id the server made
+            headers = [*headers, (REQUEST_ID_HEADER, (verdict.request_id or request_id).encode())]
+        sink = HttpSink(self._sock, self._h11, headers)
         try:
-            response = await serving.start(kind, body, sink)
+            response = await serving.start(kind, body, sink, request_id=request_id)
         except ApiError as exc:
             sink.full(exc.status, exc.body(), retry_after=exc.retry_after)
             await sink.flush()
-            return
+            return exc.status, None, request_id
         # One task per connection: it parks reading the socket (EOF means the client left; pipelined
         # bytes wait for the next cycle) and the sink interrupts that when it needs the task: to
         # drain a backlog, or because the response is complete.
@@ -298,6 +376,7 @@ class HttpConnection:
         finally:
             if not response.done:
                 serving.cancel(response)
+        return sink.status, response, request_id
 
 
 def _address(get: Callable[[], object]) -> tuple[str, int] | None:
@@ -341,10 +420,16 @@ class HttpServer:
         *,
         upgrade: Upgrade | None = None,
         max_connections: int = 0,
+        gate: Gate | None = None,
+        access_log: AccessLog | None = None,
     ) -> None:
+        """``gate``: what every request head is checked against (by default: no API key, CORS for
+        every origin); ``access_log``: None writes none."""
         self.serving = serving
         self.asgi = asgi
         self.upgrade = upgrade
+        self.gate = gate or Gate(AccessConfig())
+        self.access_log = access_log
         self.max_body = max_body
         self.max_connections = max_connections  # 0: no limit
         self.connections = 0

@@ -57,9 +57,13 @@ async def send_all(sock: socket.socket, data: bytes) -> bool:
 
 
 class HttpSink(Sink):
-    __slots__ = ("_buf", "_chunked", "_conn", "_head_sent", "_sock")
+    __slots__ = ("_buf", "_chunked", "_conn", "_extra", "_head_sent", "_sock", "status")
 
-    def __init__(self, sock: socket.socket, conn: h11.Connection) -> None:
+    def __init__(
+        self, sock: socket.socket, conn: h11.Connection, headers: list[tuple[bytes, bytes]] | None = None
+    ) -> None:
+        """``headers``: added to the response's head, whichever it is (the edge's CORS and
+        X-Request-Id); read once per response, never per event."""
         self.waker: InterruptWaker = InterruptWaker()
         super().__init__(self.waker)
         self._sock = sock
@@ -67,6 +71,8 @@ class HttpSink(Sink):
         self._buf = bytearray()
         self._head_sent = False
         self._chunked = conn.their_http_version != b"1.0"
+        self._extra = headers or []
+        self.status = 0  # the response's status once its head is out (for the access log)
 
     @property
     def backlogged(self) -> bool:
@@ -83,7 +89,9 @@ class HttpSink(Sink):
 
     def _head(self) -> bytes:
         self._head_sent = True
-        return self._conn.send(h11.Response(status_code=200, headers=sse.HEADERS)) or b""
+        self.status = 200
+        headers = sse.HEADERS + self._extra if self._extra else sse.HEADERS
+        return self._conn.send(h11.Response(status_code=200, headers=headers)) or b""
 
     def events(self, payloads: list[bytes]) -> None:
         data = sse.events(payloads, self._chunked)
@@ -107,7 +115,9 @@ class HttpSink(Sink):
             headers.append((b"connection", b"close"))
         if retry_after is not None:
             headers.append((b"retry-after", str(retry_after).encode()))
+        headers += self._extra
         self._head_sent = True
+        self.status = status
         data = (conn.send(h11.Response(status_code=status, headers=headers)) or b"") + (
             conn.send(h11.Data(data=body)) or b""
         )

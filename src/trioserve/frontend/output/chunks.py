@@ -123,6 +123,7 @@ class Choice(msgspec.Struct, omit_defaults=True):
     text: str | None = None
     logprobs: None = None
     token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None  # completions (vLLM's place); chat: the response's
 
 
 class FullResponse(msgspec.Struct, omit_defaults=True):

@@ -156,6 +156,7 @@ class OutputHandler:
         choices = self.choices
         to_abort: list[str] = []
         tokens = 0
+        prefilled = 0  # prompt tokens of the requests this step gave a first token (vLLM counts them so)
         metrics = self.metrics
         now = time.time()
         for out in step.outputs:
@@ -175,6 +176,7 @@ class OutputHandler:
                 metrics.itl.observe(now - choice.last_token_time)
             else:
                 metrics.ttft.observe(now - choice.arrival)
+                prefilled += choice.response.first_token(choice.index, now)
             choice.last_token_time = now
             detok = choice.detokenizer
             stop_reason: int | str | None = out.stop_token_id
@@ -198,6 +200,8 @@ class OutputHandler:
                 metrics.finished[finish] = metrics.finished.get(finish, 0) + 1
             choice.response.on_delta(choice.index, text, ids, finish, stop_reason)
         metrics.generation_tokens += tokens
+        if tokens or prefilled:  # a step of requests already gone here is not one of ours
+            metrics.iteration_tokens.observe(tokens + prefilled)
         if to_abort:
             self._abort(to_abort)
 

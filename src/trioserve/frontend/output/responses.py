@@ -77,28 +77,44 @@ class Response(ABC):
         priority: int,
         ticket: Ticket,
         on_done: Callable[[Response], None],
+        *,
+        prompts: list[list[int]] | None = None,
     ) -> None:
         """``params``: what the engine is asked for; ``ticket``: the admission slot, released when the
-        response retires; ``on_done``: called once, when the response completes."""
+        response retires; ``on_done``: called once, when the response completes; ``prompts``: every
+        prompt of a request with several (``/v1/completions``), the first being ``prompt_token_ids``.
+        Choice ``i`` is sample ``i % n`` of prompt ``i // n``, as OpenAI numbers them."""
         self.sink = sink
         self.encoder = encoder
         self.options = options
         self.prompt_token_ids = prompt_token_ids
+        self.prompts = prompts if prompts is not None else [prompt_token_ids]
+        self.prompt_tokens = sum(len(p) for p in self.prompts)  # usage: each prompt counted once
+        choices = len(self.prompts) * options.n
         self.params = params
         self.priority = priority
         self.ticket = ticket
         self.completion_tokens = 0
-        self.remaining = options.n
+        self.first_token_time = 0.0  # wall clock of the first token of any choice; 0 before it
+        self.remaining = choices
         self.done = False
         # One engine request per choice; the id is also the response's key in the output handler.
-        self.request_ids = [f"{encoder.id}-{i}" for i in range(options.n)]
+        self.request_ids = [f"{encoder.id}-{i}" for i in range(choices)]
         self._on_done = on_done
-        self._start(options.n)
+        self._start(choices)
         sink.response = self
 
     @abstractmethod
     def _start(self, n: int) -> None:
         """Set up the per-choice state of a response with ``n`` choices."""
+
+    def first_token(self, index: int, now: float) -> int:
+        """Choice ``index`` got its first token at ``now`` (wall clock; once per choice, never per
+        token): stamps the response's first token (access log, time per output token) and returns
+        that choice's prompt length, the tokens its prefill processed (``iteration_tokens``)."""
+        if not self.first_token_time:
+            self.first_token_time = now
+        return len(self.prompts[index // self.options.n])
 
     @abstractmethod
     def on_delta(
@@ -152,6 +168,7 @@ class StreamingResponse(Response):
         *,
         policy: StreamPolicy,
         stalled: list[StreamingResponse] | None = None,
+        prompts: list[list[int]] | None = None,
     ) -> None:
         """``policy``: what to do while the client is behind (``--stream-policy``); ``stalled``: under
         ``stall``, the output handler's list of responses it waits for before its next step."""
@@ -160,7 +177,9 @@ class StreamingResponse(Response):
         # Called once the client caught up (or the response ended), then cleared: set by a task that
         # waits for that (the output handler, under ``stall``).
         self.on_caught_up: Callable[[], None] | None = None
-        super().__init__(sink, encoder, options, prompt_token_ids, params, priority, ticket, on_done)
+        super().__init__(
+            sink, encoder, options, prompt_token_ids, params, priority, ticket, on_done, prompts=prompts
+        )
 
     def _start(self, n: int) -> None:
         self._role_pending = [self.encoder.kind == "chat"] * n  # chat choices open with a role chunk
@@ -275,7 +294,7 @@ class StreamingResponse(Response):
 
     def _tail(self) -> list[bytes]:
         if self.options.include_usage:
-            return [self.encoder.usage(len(self.prompt_token_ids), self.completion_tokens)]
+            return [self.encoder.usage(self.prompt_tokens, self.completion_tokens)]
         return []
 
     def _end(self) -> None:
@@ -322,8 +341,9 @@ class CollectingResponse(Response):
     def _body(self) -> bytes:
         chat = self.encoder.kind == "chat"
         keep_ids = self.options.return_token_ids
+        n, prompts = self.options.n, self.prompts
         choices = []
-        for i in range(self.options.n):
+        for i in range(len(self._texts)):
             text = "".join(self._texts[i])
             finish, stop_reason = self._finish_reasons[i]
             choices.append(
@@ -334,6 +354,8 @@ class CollectingResponse(Response):
                     message={"role": "assistant", "content": text} if chat else None,
                     text=None if chat else text,
                     token_ids=self._ids[i] if keep_ids else None,
+                    # Completions: each choice's own prompt, where vLLM puts it.
+                    prompt_token_ids=prompts[i // n] if keep_ids and not chat else None,
                 )
             )
         return full_body(
@@ -342,9 +364,9 @@ class CollectingResponse(Response):
             self.encoder.created,
             self.options.model,
             choices,
-            len(self.prompt_token_ids),
+            self.prompt_tokens,
             self.completion_tokens,
-            self.prompt_token_ids if keep_ids else None,
+            self.prompt_token_ids if keep_ids and len(prompts) == 1 else None,
         )
 
     def fail(self, status: int, message: str) -> None:

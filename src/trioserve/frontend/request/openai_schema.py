@@ -74,9 +74,10 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stop: str | list[str] | None = None
     n: Count = 1
     user: str | None = None  # informational
+    presence_penalty: float | None = None  # -2..2
+    frequency_penalty: float | None = None  # -2..2
+    logit_bias: dict[TokenId, float] | None = None  # JSON keys are token ids written as strings
     # Not supported yet: accepted at their neutral value only (validate.UNSUPPORTED_FIELDS).
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
     response_format: dict[str, Any] | None = None
     # vLLM extensions
     stop_token_ids: list[TokenId] | None = None
@@ -86,13 +87,14 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     skip_special_tokens: bool = True
     return_token_ids: bool = False
     priority: Count = 0
+    truncate_prompt_tokens: Count | None = None  # keep the prompt's last k tokens (-1: the context window)
+    # vLLM's logits processors (the worker's sampler applies them; docs/openai_api.md)
+    repetition_penalty: float | None = None  # > 0, over prompt and output tokens
+    min_p: float | None = None  # 0..1
+    bad_words: list[str] | None = None  # tokenized in the API server, as vLLM does
+    allowed_token_ids: list[TokenId] | None = None  # only these may be sampled
     # vLLM extensions, not supported yet
-    repetition_penalty: float | None = None
-    min_p: float | None = None
-    logit_bias: dict[TokenId, float] | None = None  # JSON keys are token ids written as strings
-    bad_words: list[str] | None = None
     prompt_logprobs: Count | None = None
-    truncate_prompt_tokens: Count | None = None
     guided_json: str | dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
 
@@ -115,8 +117,9 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     tool_choice: str | dict[str, Any] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    continue_final_message: bool | None = None
-    chat_template: str | None = None
+    # vLLM extensions
+    continue_final_message: bool | None = None  # end the prompt inside the final message's text
+    chat_template: str | None = None  # under --trust-request-chat-template only
 
 
 class CompletionRequest(_Sampling, kw_only=True):

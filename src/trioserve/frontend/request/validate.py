@@ -8,10 +8,11 @@ window), which run after rendering, in ``check_length``.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import msgspec
 
@@ -24,7 +25,14 @@ from trioserve.frontend.request.openai_schema import (
     _Sampling,
 )
 from trioserve.frontend.text.stop_strings import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
-from trioserve.protocol.messages import MAX_STOP_TOKEN_IDS, SamplingParams
+from trioserve.protocol.messages import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORDS,
+    MAX_BAD_WORDS_TOKENS,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+)
 
 T = TypeVar("T")
 
@@ -32,11 +40,13 @@ _INT64 = 2**63
 # Free-form JSON the server hands on (``chat_template_kwargs`` reaches the template as variables) is
 # nested at most this deep; deeper is a 400, never a RecursionError somewhere downstream.
 MAX_JSON_DEPTH = 32
-# OpenAI's bounds: logit_bias entries and values; top_logprobs (chat), which vLLM's default
-# max_logprobs also uses for every logprobs count.
-MAX_LOGIT_BIAS_ENTRIES = 300
+# OpenAI's bounds: logit_bias values (its entries: MAX_LOGIT_BIAS_ENTRIES, a cross-process limit);
+# top_logprobs (chat), which vLLM's default max_logprobs also uses for every logprobs count.
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGPROBS = 20
+# Choices one request may ask for (prompts x n): each is an engine request, and admission counts the
+# whole request as one.
+MAX_CHOICES = 1024
 
 
 # ---- what every accepted field without an effect is, and why ----------------------------------------
@@ -61,6 +71,7 @@ class Unsupported(NamedTuple):
     accepts: str  # the neutral values, as the error message lists them
     neutral: Callable[[Any, Any], bool]  # (value, the struct holding it) -> neutral?
     why: str  # why exactly those values are neutral
+    note: str = ""  # said in the error after the values (what vLLM does with it, say)
 
 
 def _none(value: Any, _: Any) -> bool:
@@ -81,20 +92,11 @@ def _empty(value: Any, _: Any) -> bool:
 
 UNSUPPORTED_FIELDS: dict[str, Unsupported] = {
     # Keys are JSON paths; ``messages[]`` is every message. Checked in this order.
-    "presence_penalty": Unsupported("0", _zero, "0 subtracts nothing from any logit"),
-    "frequency_penalty": Unsupported("0", _zero, "0 subtracts nothing from any logit"),
-    "repetition_penalty": Unsupported(
-        "1", lambda v, _: v is None or v == 1, "dividing or multiplying a logit by 1 changes nothing"
-    ),
-    "min_p": Unsupported("0", _zero, "every token has at least 0 times the top probability: none is cut"),
-    "logit_bias": Unsupported(
-        "null, {} or biases of 0",
-        lambda v, _: v is None or all(b == 0 for b in v.values()),
-        "adding 0 to a logit changes nothing",
-    ),
-    "bad_words": Unsupported("null or []", _empty, "no word is banned"),
     "best_of": Unsupported(
-        "null or n", lambda v, req: v is None or v == req.n, "the best n of n samples are all n: what n does"
+        "null or n",
+        lambda v, req: v is None or v == req.n,
+        "the best n of n samples are all n: what n does",
+        "; vLLM's V1 engine removed best_of as well: ask for n samples and rank them yourself",
     ),
     "echo": Unsupported("false", _false, "false leaves the prompt out of the completion, as the server does"),
     "logprobs": Unsupported(
@@ -105,7 +107,12 @@ UNSUPPORTED_FIELDS: dict[str, Unsupported] = {
     ),
     "top_logprobs": Unsupported("null or 0", _zero, "0 alternatives per token (and > 0 needs logprobs)"),
     "prompt_logprobs": Unsupported("null", _none, "even 0 asks for every prompt token's own logprob"),
-    "suffix": Unsupported('null or ""', _empty, "an empty suffix adds nothing after the completion"),
+    "suffix": Unsupported(
+        'null or ""',
+        _empty,
+        "an empty suffix adds nothing after the completion",
+        "; vLLM refuses it too (fill-in-the-middle: send the model's own FIM tokens in `prompt`)",
+    ),
     "response_format": Unsupported(
         'null or {"type": "text"}',
         lambda v, _: v is None or v == {"type": "text"},
@@ -124,11 +131,6 @@ UNSUPPORTED_FIELDS: dict[str, Unsupported] = {
         'null, "auto" or "default"',
         lambda v, _: v in (None, "auto", "default"),
         "the server has one tier, the default; flex or priority would promise another latency",
-    ),
-    "continue_final_message": Unsupported("null or false", _false, "false starts a new assistant turn"),
-    "chat_template": Unsupported("null", _none, "any string is a template that replaces the model's"),
-    "truncate_prompt_tokens": Unsupported(
-        "null", _none, "every value (-1: the context window) cuts long prompts, which the server refuses"
     ),
     "stream_options.include_obfuscation": Unsupported(
         "null or false", _false, "the server's chunks carry no obfuscation padding"
@@ -161,7 +163,9 @@ _IN_MESSAGES = [
 
 def _not_supported(param: str, entry: Unsupported) -> ApiError:
     return ApiError(
-        400, f"`{param}` is not supported by this server yet (it accepts only {entry.accepts})", param=param
+        400,
+        f"`{param}` is not supported by this server yet (it accepts only {entry.accepts}){entry.note}",
+        param=param,
     )
 
 
@@ -277,10 +281,10 @@ def check_ranges(req: _Sampling) -> None:
     """OpenAI's (and vLLM's) ranges of the parameters not checked where their effect is built."""
     _in_range(req.presence_penalty, "presence_penalty", -2.0, 2.0)
     _in_range(req.frequency_penalty, "frequency_penalty", -2.0, 2.0)
-    if req.repetition_penalty is not None and not req.repetition_penalty > 0:
-        raise ApiError(
-            400, f"repetition_penalty must be > 0, got {req.repetition_penalty:g}", param="repetition_penalty"
-        )
+    rp = req.repetition_penalty
+    if rp is not None and not (rp > 0 and math.isfinite(rp)):  # vLLM's bound: finite and > 0
+        param = "repetition_penalty"
+        raise ApiError(400, f"repetition_penalty must be finite and > 0, got {rp:g}", param=param)
     _in_range(req.min_p, "min_p", 0.0, 1.0)
     if req.logit_bias is not None:
         if len(req.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
@@ -294,6 +298,7 @@ def check_ranges(req: _Sampling) -> None:
                     f"logit_bias values must be in [-100, 100], got {bias:g} for token {token}",
                     param="logit_bias",
                 )
+    check_token_lists(req)
     if req.prompt_logprobs is not None:
         _in_range(req.prompt_logprobs, "prompt_logprobs", 0, MAX_LOGPROBS)
     if req.truncate_prompt_tokens is not None and req.truncate_prompt_tokens < -1:
@@ -314,11 +319,92 @@ def check_ranges(req: _Sampling) -> None:
                 f"chat_template_kwargs is nested more than {MAX_JSON_DEPTH} levels deep",
                 param="chat_template_kwargs",
             )
+        if req.continue_final_message and req.add_generation_prompt:
+            # vLLM's rule, and its words; add_generation_prompt defaults to true, so it must be sent false.
+            raise ApiError(
+                400,
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                param="continue_final_message",
+            )
     elif isinstance(req, CompletionRequest):
         if req.logprobs is not None:
             _in_range(req.logprobs, "logprobs", 0, MAX_LOGPROBS)
         if req.best_of is not None and req.best_of < req.n:
             raise ApiError(400, f"best_of must be at least n={req.n}, got {req.best_of}", param="best_of")
+
+
+def check_token_lists(req: _Sampling) -> None:
+    """The lists of the logits processors, before the vocabulary is known: vLLM's refusals (an empty
+    ``allowed_token_ids``, an empty bad word) and the caps every step's message is sized for."""
+    allowed = req.allowed_token_ids
+    if allowed is not None:
+        if not allowed:
+            raise ApiError(400, "allowed_token_ids must not be empty", param="allowed_token_ids")
+        if len(allowed) > MAX_ALLOWED_TOKEN_IDS:
+            raise ApiError(
+                400,
+                f"allowed_token_ids may have at most {MAX_ALLOWED_TOKEN_IDS} entries",
+                param="allowed_token_ids",
+            )
+    if req.bad_words:
+        if len(req.bad_words) > MAX_BAD_WORDS:
+            raise ApiError(400, f"at most {MAX_BAD_WORDS} bad_words are allowed", param="bad_words")
+        if not all(word.strip() for word in req.bad_words):
+            raise ApiError(400, "bad_words cannot contain an empty string", param="bad_words")
+
+
+def check_vocabulary(req: _Sampling, vocab_size: int) -> None:
+    """Token ids of the logits processors must be in the model's vocabulary (vLLM's check)."""
+    if req.logit_bias and max(req.logit_bias) >= vocab_size:
+        bad = sorted(t for t in req.logit_bias if t >= vocab_size)[:5]
+        raise ApiError(
+            400,
+            f"logit_bias has out-of-vocabulary token ids {bad} (the vocabulary has {vocab_size})",
+            param="logit_bias",
+        )
+    if req.allowed_token_ids and max(req.allowed_token_ids) >= vocab_size:
+        raise ApiError(
+            400,
+            f"allowed_token_ids must be in [0, {vocab_size}) (the vocabulary)",
+            param="allowed_token_ids",
+        )
+
+
+class _Encoder(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+
+def bad_words_token_ids(words: list[str], tokenizer: _Encoder, vocab_size: int) -> list[list[int]]:
+    """``bad_words`` as token-id sequences, vLLM's way: each word tokenized as written (leading spaces
+    stripped) and with one leading space, so it is banned at the start of the text and inside it; the
+    spaced form is kept only when it is a different word of as many tokens. Duplicates go. 400 when a
+    word tokenizes to nothing, or the sequences exceed the caps (``MAX_BAD_WORDS`` of them,
+    ``MAX_BAD_WORDS_TOKENS`` tokens in all) or the vocabulary."""
+    sequences: list[list[int]] = []
+    for word in dict.fromkeys(words):
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if not plain:
+            raise ApiError(400, f"bad word {word!r} tokenizes to no token", param="bad_words")
+        sequences.append(plain)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            sequences.append(spaced)
+    if len(sequences) > MAX_BAD_WORDS:
+        raise ApiError(
+            400,
+            f"bad_words make {len(sequences)} token sequences; at most {MAX_BAD_WORDS} are allowed",
+            param="bad_words",
+        )
+    total = sum(len(s) for s in sequences)
+    if total > MAX_BAD_WORDS_TOKENS:
+        raise ApiError(
+            400,
+            f"bad_words make {total} tokens; at most {MAX_BAD_WORDS_TOKENS} are allowed",
+            param="bad_words",
+        )
+    if any(t >= vocab_size for s in sequences for t in s):
+        raise ApiError(400, "bad_words tokenize outside the model's vocabulary", param="bad_words")
+    return sequences
 
 
 def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -335,12 +421,38 @@ def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
     return tuple(s for s in strings if s)
 
 
+def check_prompt_options(req: _Sampling, served: ModelConfig, limits: RequestConfig) -> None:
+    """What shapes the prompt (``Serving`` renders it), checked before rendering: vLLM's bound on
+    ``truncate_prompt_tokens``, and a request's own ``chat_template`` only where the operator trusts
+    them (``--trust-request-chat-template``, vLLM's flag)."""
+    keep = req.truncate_prompt_tokens
+    if keep is not None and keep > served.max_model_len:
+        raise ApiError(
+            400,
+            f"truncate_prompt_tokens value ({keep}) is greater than max_model_len "
+            f"({served.max_model_len}). Please, select a smaller truncation size.",
+            param="truncate_prompt_tokens",
+        )
+    if (
+        isinstance(req, ChatCompletionRequest)
+        and req.chat_template is not None
+        and not limits.trust_request_chat_template
+    ):
+        raise ApiError(
+            400,
+            "a request's own chat_template is refused unless the server runs with "
+            "--trust-request-chat-template (as vLLM's is)",
+            param="chat_template",
+        )
+
+
 def output_options(req: _Sampling, served: ModelConfig, limits: RequestConfig) -> OutputOptions:
     model = resolve_model(req.model, served.model_names)
     if not 1 <= req.n <= limits.max_n:
         raise ApiError(400, f"n must be between 1 and {limits.max_n}, got {req.n}", param="n")
     check_ranges(req)
     refuse_unsupported(req)
+    check_prompt_options(req, served, limits)
     stop = _stop_strings(req.stop)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     if req.stream_options is not None and not req.stream:
@@ -379,7 +491,8 @@ def sampling_params(
     req: ChatCompletionRequest | CompletionRequest, served: ModelConfig, prompt_len: int
 ) -> SamplingParams:
     """Engine sampling parameters; ``prompt_len`` bounds max_tokens by the context window."""
-    check_length(prompt_len, served.max_model_len)
+    prompt_param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+    check_length(prompt_len, served.max_model_len, prompt_param)
     room = served.max_model_len - prompt_len
     max_tokens = requested_max_tokens(req)
     if max_tokens is None:
@@ -412,6 +525,8 @@ def sampling_params(
         raise ApiError(
             400, f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed", param="stop_token_ids"
         )
+    check_vocabulary(req, served.vocab_size)
+    bias = {t: b for t, b in req.logit_bias.items() if b != 0} if req.logit_bias else None
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -421,16 +536,23 @@ def sampling_params(
         stop_token_ids=list(stop_ids),
         ignore_eos=req.ignore_eos,
         min_tokens=req.min_tokens,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        min_p=req.min_p or 0.0,
+        logit_bias=bias or None,
+        allowed_token_ids=list(req.allowed_token_ids) if req.allowed_token_ids else None,
+        # bad_words are tokenized by the caller (``bad_words_token_ids``), off the event loop
     )
 
 
-def check_length(prompt_len: int, max_model_len: int) -> None:
+def check_length(prompt_len: int, max_model_len: int, param: str = "messages") -> None:
     if prompt_len == 0:
-        raise ApiError(400, "the prompt is empty", param="prompt")
+        raise ApiError(400, "the prompt is empty", param=param)
     if prompt_len >= max_model_len:
         raise ApiError(
             400,
             f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
             f"has {prompt_len} tokens, leaving no room for a completion.",
-            param="messages",
+            param=param,
         )

