@@ -315,6 +315,8 @@ def run_point(args: argparse.Namespace, kind: str, clients: int, log_dir: Path) 
         lg += ["--result-file", str(result_path), "--io", args.client_io]
         if kind == "pooled":
             lg += ["--list-models-first"]
+        if args.logprobs is not None and kind != "baseline":
+            lg += ["--logprobs", str(args.logprobs)]
         for name, pid in watch.items():
             lg += ["--watch", f"{name}={pid}"]
         loadgen = spawn(f"{tag}-loadgen", lg, args.client_cpu, log_dir, args.nice)
@@ -527,6 +529,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="model name (default: first of /v1/models)")
     ap.add_argument("--startup-timeout", type=float, default=120.0)
     ap.add_argument("--server-arg", action="append", default=[], help="extra argument for trioserve serve")
+    ap.add_argument(
+        "--logprobs", type=int, default=None, metavar="K", help="requests ask for logprobs (K alternatives)"
+    )
     ap.add_argument(
         "--nice",
         type=int,

@@ -179,7 +179,10 @@ class LoadGen:
         ignore_eos: bool = True,
         ws_path: str = "/v1/ws",
         list_models_first: bool = False,
+        logprobs: int | None = None,
     ) -> None:
+        """``logprobs``: ask for logprobs with this many alternatives per token (chat: logprobs and
+        top_logprobs; completions: logprobs); None: none."""
         if endpoint not in ("chat", "completions"):
             raise ValueError(f"endpoint {endpoint!r}: chat or completions")
         if transport not in ("sse", "ws"):
@@ -192,6 +195,7 @@ class LoadGen:
         self.endpoint = endpoint
         self.transport = transport
         self.ignore_eos = ignore_eos
+        self.logprobs = logprobs
         self.ws_path = ws_path
         self.list_models_first = list_models_first  # as the openai SDK's pooled connections do
         self.num_prompts = num_prompts  # None: unbounded (duration mode)
@@ -238,6 +242,11 @@ class LoadGen:
         body.update(
             stream=True, max_tokens=prompt.output_len, ignore_eos=self.ignore_eos, return_token_ids=True
         )
+        if self.logprobs is not None:
+            if self.endpoint == "chat":
+                body.update(logprobs=True, top_logprobs=self.logprobs)
+            else:
+                body["logprobs"] = self.logprobs
         data = msgspec.json.encode(body)
         if self.transport == "ws":
             return data

@@ -11,6 +11,9 @@ new token of every history-keeping row to the sampler (``Sampler.record``) and s
 - one processor on every row: each of presence, frequency and repetition penalty, ``logit_bias`` (300
   entries, the cap), ``min_p``, ``bad_words`` (20 words of 1-3 tokens), ``allowed_token_ids`` (1000 ids);
 - ``all`` of them on every row, and ``1 of 32 rows with all``: the cost plain rows pay for a neighbour;
+- ``logprobs``: every row (and 1 of 32) asking for its token's logprob, rank and top-5
+  (``SamplingParams.logprobs=5``, greedy and sampled), and the prompt logprobs of a 256-token prompt
+  chunk at top-5 (``token_logprobs`` over its rows, what the runner adds to such a chunk);
 - ``3 penalties``: the sampler's sparse pool (each row's distinct tokens and counts) against two
   alternatives, a dense ``[rows, vocab]`` pool of counts and prompt masks, and rebuilding each step's
   counts and masks from token lists as vLLM's sampler does (bincount over padded tensors), at
@@ -34,7 +37,7 @@ from typing import Any
 import torch
 
 from trioserve.protocol.messages import SamplingParams
-from trioserve.worker.sampler import RequestProcessors, Sampler, SamplingRow
+from trioserve.worker.sampler import RequestProcessors, Sampler, SamplingRow, token_logprobs
 
 
 def thread_us(fn: Callable[[], Any], before: Callable[[], Any], runs: int) -> float:
@@ -92,6 +95,7 @@ def main() -> None:
         min_p: float = 0.0,
         seeded: bool = False,
         runs: int = 0,
+        logprobs: list[int | None] | None = None,
     ) -> float:
         sampler = Sampler(torch.device("cpu"), vocab)
         procs: list[RequestProcessors | None] = []
@@ -107,6 +111,7 @@ def main() -> None:
                 output_index=args.outputs,
                 min_p=min_p if (min_p and i < len(params)) else 0.0,
                 processors=proc,
+                logprobs=logprobs[i] if logprobs else None,
             )
             for i, proc in enumerate(procs)
         ]
@@ -116,7 +121,7 @@ def main() -> None:
         def step() -> None:
             if kept:
                 sampler.record(list(zip(kept, new_token, strict=True)))
-            sampler.sample(buf, rows)
+            sampler.sample_with_logprobs(buf, rows)
 
         # Greedy points are cheap: more repeats, so the fastest is closer to the machine's floor.
         repeat = args.repeat * (3 if temperature == 0.0 else 1)
@@ -134,8 +139,13 @@ def main() -> None:
     results.append(
         ("greedy, 1 of 32 rows with all", point([everything] + [{}] * (rows_n - 1), 0.0, runs=greedy_runs))
     )
+    top5: list[int | None] = [5] * rows_n
+    one_top5: list[int | None] = [5] + [None] * (rows_n - 1)
     results += [
+        ("greedy, logprobs top-5", point(plain, 0.0, runs=greedy_runs, logprobs=top5)),
+        ("greedy, 1 of 32 rows with logprobs top-5", point(plain, 0.0, runs=greedy_runs, logprobs=one_top5)),
         ("sampled, plain", point(plain, 1.0, runs=sampled_runs)),
+        ("sampled, logprobs top-5", point(plain, 1.0, runs=sampled_runs, logprobs=top5)),
         ("sampled, plain, every row seeded", point(plain, 1.0, seeded=True, runs=sampled_runs)),
         ("sampled, min_p", point(plain, 1.0, min_p=0.05, runs=sampled_runs)),
         ("sampled, all of them", point([everything] * rows_n, 1.0, min_p=0.05, runs=sampled_runs)),
@@ -203,6 +213,16 @@ def main() -> None:
         results.append((f"greedy, 3 penalties, {n} outputs: the sampler", pooled_penalties(n)))
         results.append((f"greedy, 3 penalties, {n} outputs: dense pool", dense(n)))
         results.append((f"greedy, 3 penalties, {n} outputs: rebuilt from lists", rebuilt(n)))
+
+    chunk = torch.randn(256, vocab, generator=g) * 3
+    chunk_targets = history(5000, 256)
+    us = min(
+        thread_us(
+            lambda: token_logprobs(chunk, chunk_targets, [5] * 256), lambda: None, max(10, args.runs // 10)
+        )
+        for _ in range(args.repeat)
+    )
+    results.append(("prompt logprobs top-5, 256-token chunk", us))
 
     mirror = torch.zeros(4096 * 16, dtype=torch.long)
     for n in (rows_n, 2048):

@@ -168,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
         help="ask for exactly max_tokens tokens",
     )
     ap.add_argument("--seed", type=int, default=0, help="prompt and length seed")
+    ap.add_argument(
+        "--logprobs", type=int, default=None, metavar="K", help="ask for logprobs, K alternatives per token"
+    )
     ap.add_argument("--ramp", type=float, default=1.0, help="stagger connection starts over this many s")
     ap.add_argument("--warmup", type=float, default=3.0, help="duration mode: seconds before the window")
     ap.add_argument("--duration", type=float, default=10.0, help="duration mode: measurement window, s")
@@ -224,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         ignore_eos=args.ignore_eos,
         ws_path=args.ws_path,
         list_models_first=args.list_models_first,
+        logprobs=args.logprobs,
     )
     watch = _parse_watch(args.watch)
     if args.num_prompts is not None:

@@ -152,6 +152,12 @@ def _frontend_flags(p: argparse.ArgumentParser) -> None:
     )
     g = _Group(RequestConfig, p)
     g.add("--max-n", "max_n", "largest accepted `n`", type=int)
+    g.add(
+        "--max-logprobs",
+        "max_logprobs",
+        "most alternatives per token a request may ask for (top_logprobs, logprobs, prompt_logprobs)",
+        type=int,
+    )
     g.add("--renderer-num-workers", "renderer_num_workers", "threads; 0 = on the event loop", type=int)
     g.add(
         "--chat-template",

@@ -94,6 +94,9 @@ class RequestConfig(_Section, frozen=True):
     """The request path: validation limits and the renderer pool."""
 
     max_n: Positive = 16
+    # The most logprobs alternatives a request may ask for (chat top_logprobs, completions logprobs,
+    # prompt_logprobs): vLLM's flag and default.
+    max_logprobs: NonNegative = 20
     renderer_num_workers: NonNegative = 1  # threads; 0: render on the event loop
     # The chat template in place of the model's (the text: cli.py reads a file the flag names).
     chat_template: str | None = None

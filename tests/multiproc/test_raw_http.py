@@ -331,7 +331,8 @@ BAD_REQUESTS: list[Any] = [
     pytest.param("priority-huge", COMPLETIONS, {"prompt": "x", "priority": BIG}, 400),
     ("stream-options-without-stream", CHAT, {"messages": CHAT_MESSAGES, "stream_options": {}}, 400),
     ("stream-not-bool", CHAT, {"messages": CHAT_MESSAGES, "stream": "yes"}, 400),
-    ("logprobs", CHAT, {**M, "logprobs": True}, 400),
+    ("top-logprobs-without-logprobs", CHAT, {**M, "top_logprobs": 2}, 400),
+    ("top-logprobs-over-max", CHAT, {**M, "logprobs": True, "top_logprobs": 21}, 400),
     ("tools", CHAT, {"messages": CHAT_MESSAGES, "tools": [{"type": "function"}]}, 400),
     ("unknown-model", CHAT, {"messages": CHAT_MESSAGES, "model": "nope"}, 404),
     ("prompt-missing", COMPLETIONS, {"max_tokens": 2}, 400),
@@ -346,7 +347,7 @@ BAD_REQUESTS: list[Any] = [
     ("prompt-too-long", COMPLETIONS, {"prompt": "hello " * (MAX_MODEL_LEN + 10), "max_tokens": 2}, 400),
     ("prompt-ids-too-long", COMPLETIONS, {"prompt": [100] * MAX_MODEL_LEN, "max_tokens": 2}, 400),
     ("chat-too-long", CHAT, {"messages": [{"role": "user", "content": "hi " * MAX_MODEL_LEN}]}, 400),
-    ("echo", COMPLETIONS, {"prompt": "x", "max_tokens": 2, "echo": True}, 400),
+    ("prompt-logprobs-streamed", COMPLETIONS, {"prompt": "x", "stream": True, "prompt_logprobs": 1}, 400),
 ]
 
 
@@ -468,10 +469,10 @@ async def test_curl_no_buffer(server: ServerProcess) -> None:
         (CHAT, {**M, "min_p": 2}, "min_p"),
         (CHAT, {**M, "foo": 1}, "foo"),
         (CHAT, {"messages": [{"role": "user"}]}, "messages[0].content"),
-        (COMPLETIONS, {"prompt": "x", "logprobs": 0}, "logprobs"),
+        (COMPLETIONS, {"prompt": "x", "logprobs": 21}, "logprobs"),
         (COMPLETIONS, {"prompt": "x", "stop": ["x" * 1025]}, "stop"),
     ],
-    ids=["unsupported", "out-of-range", "unknown", "no-content", "completions-logprobs-0", "stop-too-long"],
+    ids=["unsupported", "out-of-range", "unknown", "no-content", "completions-logprobs-over-max", "stop-too-long"],
 )
 async def test_refusals_name_the_parameter(
     server: ServerProcess, path: str, body: dict[str, Any], param: str, path_kind: str

@@ -81,6 +81,14 @@ def test_flags_reach_the_config() -> None:
     assert named.model.model_names == ("/models/m",)
 
 
+def test_max_logprobs_flag() -> None:
+    parser = build_parser()
+    default = serve_config(parser.parse_args(["serve"])).frontend.request
+    assert default.max_logprobs == 20  # vLLM's default
+    given = serve_config(parser.parse_args(["serve", "--max-logprobs", "5"])).frontend.request
+    assert given.max_logprobs == 5
+
+
 def test_serve_hands_the_engine_core_one_value() -> None:
     from trioserve.launch.serve import engine_command
 

@@ -69,6 +69,7 @@ _SAMPLING = {
     "allowed_token_ids": "trioserve.frontend.request.validate:sampling_params",
     "bad_words": "trioserve.frontend.request.validate:bad_words_token_ids",
     "priority": "trioserve.frontend.serving:Serving._prepare",
+    "prompt_logprobs": "trioserve.frontend.request.validate:prompt_logprobs_count",
 }
 _MESSAGES = {
     "messages": "trioserve.frontend.serving:message_dicts",
@@ -88,11 +89,15 @@ EFFECTS: dict[type, dict[str, str]] = {
         "continue_final_message": "trioserve.frontend.serving:Serving._chat_prompt",
         "chat_template": "trioserve.frontend.serving:Serving._chat_prompt",
         "truncate_prompt_tokens": "trioserve.frontend.serving:Serving._chat_prompt",
+        "logprobs": "trioserve.frontend.request.validate:logprobs_count",
+        "top_logprobs": "trioserve.frontend.request.validate:logprobs_count",
     },
     CompletionRequest: {
         **_SAMPLING,
         "prompt": "trioserve.frontend.serving:Serving._completion_prompts",
         "truncate_prompt_tokens": "trioserve.frontend.serving:Serving._completion_prompts",
+        "logprobs": "trioserve.frontend.request.validate:logprobs_count",
+        "echo": "trioserve.frontend.request.validate:prompt_logprobs_count",
     },
     TokenizeRequest: {
         **_MESSAGES,
@@ -213,16 +218,6 @@ def completion(**fields: Any) -> dict[str, Any]:
 # (param named in the 400, endpoint, a body with an effect, bodies with none)
 UNSUPPORTED_CASES: list[tuple[str, str, dict[str, Any], list[dict[str, Any]]]] = [
     ("best_of", "completion", completion(best_of=2), [completion(best_of=1), completion(best_of=2, n=2)]),
-    ("echo", "completion", completion(echo=True), [completion(echo=False)]),
-    ("logprobs", "chat", chat(logprobs=True), [chat(logprobs=False), chat(logprobs=None)]),
-    ("logprobs", "completion", completion(logprobs=0), [completion(logprobs=None)]),
-    (
-        "top_logprobs",
-        "chat",
-        chat(top_logprobs=2),
-        [chat(top_logprobs=0), chat(logprobs=False, top_logprobs=0)],
-    ),
-    ("prompt_logprobs", "completion", completion(prompt_logprobs=0), [completion(prompt_logprobs=None)]),
     ("suffix", "completion", completion(suffix="!"), [completion(suffix=""), completion(suffix=None)]),
     (
         "response_format",
@@ -374,6 +369,39 @@ def test_out_of_range_values(param: str, kind: str, body: dict[str, Any]) -> Non
     error = refused(body, kind)
     assert error.param == param
     assert "not supported" not in error.message  # a range error, even though the feature is missing
+
+
+def _logprobs_asked(
+    body: dict[str, Any], kind: str, limits: RequestConfig = LIMITS
+) -> tuple[int | None, int | None]:
+    raw = msgspec.json.encode(body)
+    req: ChatCompletionRequest | CompletionRequest = decode_body(
+        raw, ChatCompletionRequest if kind == "chat" else CompletionRequest
+    )
+    options = output_options(req, MODEL, limits)
+    return options.logprobs, sampling_params(req, MODEL, 10).logprobs
+
+
+def test_logprobs_reach_the_engine() -> None:
+    assert _logprobs_asked(chat(), "chat") == (None, None)
+    assert _logprobs_asked(chat(logprobs=False, top_logprobs=0), "chat") == (None, None)
+    assert _logprobs_asked(chat(logprobs=True), "chat") == (0, 0)
+    assert _logprobs_asked(chat(logprobs=True, top_logprobs=20), "chat") == (20, 20)  # the cap, inclusive
+    assert _logprobs_asked(completion(), "completion") == (None, None)
+    assert _logprobs_asked(completion(logprobs=0), "completion") == (0, 0)  # the sampled token's own
+    assert _logprobs_asked(completion(logprobs=5), "completion") == (5, 5)
+
+
+def test_max_logprobs_is_the_cap() -> None:
+    limits = RequestConfig(max_logprobs=3)
+    assert _logprobs_asked(chat(logprobs=True, top_logprobs=3), "chat", limits) == (3, 3)
+    for body, kind, param in [
+        (chat(logprobs=True, top_logprobs=4), "chat", "top_logprobs"),
+        (completion(logprobs=4), "completion", "logprobs"),
+    ]:
+        with pytest.raises(ApiError) as info:
+            _logprobs_asked(body, kind, limits)
+        assert info.value.status == 400 and info.value.param == param and "[0, 3]" in info.value.message
 
 
 def test_stop_caps_are_inclusive() -> None:

@@ -2,7 +2,9 @@
 deterministic reference implementation.
 
 The core only needs ``execute``: compute one ``SchedulerOutput`` and return the sampled token ids of
-the requests whose chunk ``samples``. ``engine/worker_executor.py`` drives worker processes over
+the requests whose chunk ``samples`` (a dict), or a ``StepResult`` carrying them with the logprobs of
+the requests that ask (the worker's answer, as it comes off the result ring). The reference executor
+computes no logprobs: it returns the dict. ``engine/worker_executor.py`` drives worker processes over
 shared memory; ``ReferenceExecutor`` is an in-process stand-in with exact, checkable
 behaviour: it keeps a simulated paged KV cache (token ids in block slots) addressed by the block tables
 the scheduler hands out, and its "model" picks the next token as a hash of the whole sequence it reads
@@ -18,6 +20,7 @@ from typing import Protocol
 import trio
 
 from trioserve.protocol.step import SchedulerOutput
+from trioserve.protocol.worker_messages import StepResult
 
 
 class ExecutorFailed(Exception):
@@ -30,7 +33,7 @@ class Executor(Protocol):
     failure: ExecutorFailed | None
     on_failure: Callable[[], None]
 
-    async def execute(self, step: SchedulerOutput) -> dict[str, list[int]]: ...
+    async def execute(self, step: SchedulerOutput) -> StepResult | dict[str, list[int]]: ...
 
 
 def next_token(sequence: Sequence[int], vocab_size: int) -> int:

@@ -12,6 +12,12 @@ Token bookkeeping (the scheduler's whole model of a request):
   has at least one token to compute for every unfinished request.
 - Preemption resets ``num_computed_tokens`` to 0 and keeps the outputs: on resume, prompt *and* outputs
   are recomputed as one longer prompt, so a deterministic model continues exactly where it stopped.
+
+Prompt logprobs (``SamplingParams.prompt_logprobs``): ``prompt_logprobs`` gathers them, chunk by chunk
+(the first prompt token has none: ``None``), until the first output takes them; from then on it is
+None and ``sent_prompt_logprobs`` holds. While they are wanted (``wants_prompt_logprobs``) the prompt
+must be computed from position 0, since a prefix-cache hit has no logits; a preemption before the first
+output starts the gathering over with the recompute.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from trioserve.protocol.messages import (
     RequestEvent,
     RequestEventKind,
     SamplingParams,
+    TokenLogprobs,
 )
 
 
@@ -72,9 +79,13 @@ class Request:
     stop_ids: frozenset[int] = field(init=False)
     # Events not yet reported; they ride on the request's next RequestOutput.
     events: list[RequestEvent] = field(init=False, default_factory=list)
+    # With prompt_logprobs: those gathered so far, until the first output takes them (then None).
+    prompt_logprobs: list[TokenLogprobs | None] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        if self.sampling.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
         stop_ids = set(self.sampling.stop_token_ids)
         if self.eos_token_id is not None and not self.sampling.ignore_eos:
             stop_ids.add(self.eos_token_id)
@@ -102,6 +113,20 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs are asked for and not sent yet: no prefix-cache lookup for it then."""
+        return self.prompt_logprobs is not None
+
+    @property
+    def sent_prompt_logprobs(self) -> bool:
+        return self.prompt_logprobs is None and self.sampling.prompt_logprobs is not None
+
+    def restart_prompt_logprobs(self) -> None:
+        """Preempted before its first output: the recompute sends them all again from the start."""
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
 
     @property
     def finish_reason(self) -> FinishReason | None:

@@ -26,6 +26,11 @@ Each step:
    prefix cache, allocate blocks for the first chunk, move to running. The first request that does not
    fit stops admission for this step, so a big request at the head is not overtaken forever.
 
+Logprobs: the step's sampled-token logprobs ride on the outputs as they come (``update_from_output``);
+prompt logprobs are gathered on the request chunk by chunk and go out with its first output, once (a
+request asking for them skips the prefix cache until then, and a request that has sent them is resumed
+after a preemption with ``prompt_logprobs`` off, so the worker does not compute them again).
+
 A request that could never fit the ledger alone (more blocks than exist, for its longest possible
 sequence) is rejected when it is added, with an error output, instead of starving the queue behind it.
 
@@ -40,10 +45,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
+import msgspec
+
 from trioserve.engine.kv_ledger import KVLedger
 from trioserve.engine.request import Request, RequestStatus
-from trioserve.protocol.messages import AddRequest, EngineStats, RequestOutput
+from trioserve.protocol.messages import AddRequest, EngineStats, RequestOutput, TokenLogprobs
 from trioserve.protocol.step import NewRequestData, RunningRequestData, SchedulerOutput
+from trioserve.protocol.worker_messages import MAX_ENGINE_LOGPROBS
 
 SchedulingPolicy = Literal["fcfs", "priority"]
 
@@ -160,6 +168,10 @@ class Scheduler:
             )
         if add.sampling.max_tokens < 1:
             return f"max_tokens must be at least 1, got {add.sampling.max_tokens}"
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(add.sampling, name)
+            if k is not None and not 0 <= k <= MAX_ENGINE_LOGPROBS:
+                return f"{name} must be between 0 and {MAX_ENGINE_LOGPROBS}, got {k}"
         # The last token of a finished request is never computed, so its KV needs final_len - 1 slots.
         final_len = min(prompt_len + add.sampling.max_tokens, cfg.max_model_len)
         blocks = self.ledger.blocks_for(final_len - 1)
@@ -270,7 +282,8 @@ class Scheduler:
             rid = request.request_id
             num_tokens = request.num_tokens
             cached: list[int] = []
-            if cfg.enable_prefix_caching:
+            lookup = cfg.enable_prefix_caching and not request.wants_prompt_logprobs
+            if lookup:
                 cached = ledger.lookup_prefix(request.block_hashes, num_tokens)
             num_computed = len(cached) * cfg.block_size
             num_new = min(num_tokens - num_computed, budget)
@@ -281,19 +294,22 @@ class Scheduler:
             waiting.pop()
             if request.num_cached_tokens < 0:  # first admission (a resume is not a new query)
                 request.num_cached_tokens = num_computed
-                if cfg.enable_prefix_caching:
+                if lookup:
                     ledger.record_prefix_lookup(num_tokens, num_computed)
             request.num_computed_tokens = num_computed
             request.status = RequestStatus.RUNNING
             request.record_event("scheduled", now)
             self.running.append(request)
+            sampling = request.sampling
+            if request.sent_prompt_logprobs:  # a resume: the worker need not compute them again
+                sampling = msgspec.structs.replace(sampling, prompt_logprobs=None)
             new_data.append(
                 NewRequestData(
                     rid,
                     request.all_token_ids[num_computed:target],
                     num_computed,
                     list(ledger.block_table(rid)),
-                    request.sampling,
+                    sampling,
                     target == num_tokens,
                     len(request.prompt_token_ids),
                     request.eos_token_id,
@@ -314,6 +330,7 @@ class Scheduler:
         self.ledger.free(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.restart_prompt_logprobs()
         request.num_preemptions += 1
         request.record_event("preempted", now)
         self._num_preemptions += 1
@@ -322,14 +339,20 @@ class Scheduler:
     # ---------------------------------------------------------------------------- update_from_output
 
     def update_from_output(
-        self, scheduler_output: SchedulerOutput, sampled: dict[str, list[int]]
+        self,
+        scheduler_output: SchedulerOutput,
+        sampled: dict[str, list[int]],
+        logprobs: dict[str, list[TokenLogprobs]] | None = None,
+        prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None,
     ) -> dict[int, list[RequestOutput]]:
         """Advance the scheduled requests by the step's results; return outputs per client index.
 
         ``sampled`` needs an entry for every scheduled request whose chunk ``samples`` (other entries
         are ignored: a partial prefill chunk's sample is meaningless); its lists become the outputs'
         ``new_token_ids``, so the caller must not reuse them. Requests aborted while the step ran are
-        skipped.
+        skipped. ``logprobs``: per request, one entry per sampled token (cut with the tokens at a
+        stop); ``prompt_logprobs``: the prompt tokens' logprobs this step's chunk made known, in order,
+        gathered on the request until its first output carries them all.
         """
         cfg = self.config
         ledger = self.ledger
@@ -347,6 +370,8 @@ class Scheduler:
             # Blocks that just filled with computed tokens become findable by hash.
             if block_size and computed // block_size != old // block_size:
                 ledger.cache_blocks(rid, request.block_hashes, computed)
+            if prompt_logprobs is not None and request.prompt_logprobs is not None:
+                request.prompt_logprobs += prompt_logprobs.get(rid, ())
             if computed < len(request.all_token_ids):
                 continue  # a prefill chunk that did not reach the end: no token this step
             new_tokens = sampled[rid]
@@ -364,6 +389,12 @@ class Scheduler:
             output = RequestOutput(
                 rid, new_tokens, None, None, request.num_cached_tokens, None, events or None
             )
+            if logprobs is not None:
+                token_logprobs = logprobs.get(rid)
+                if token_logprobs is not None:
+                    output.logprobs = token_logprobs[: len(new_tokens)]
+            if request.prompt_logprobs is not None:
+                output.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None
             if finished:
                 output.finish_reason = request.finish_reason
                 output.stop_token_id = request.stop_token_id

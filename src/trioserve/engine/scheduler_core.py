@@ -24,6 +24,7 @@ from trioserve.engine.executor import Executor, ExecutorFailed
 from trioserve.engine.scheduler import Scheduler, SchedulerConfig
 from trioserve.protocol.messages import AddRequest, EngineReady, EngineStats, RequestOutput
 from trioserve.protocol.step import SchedulerOutput
+from trioserve.protocol.worker_messages import StepResult
 
 
 class SchedulerCore:
@@ -38,7 +39,7 @@ class SchedulerCore:
         self.kind = kind  # what executes the steps, as the handshake reports it
         self.vocab_size = vocab_size
         self._step: SchedulerOutput | None = None
-        self._sampled: dict[str, list[int]] = {}
+        self._sampled: StepResult | dict[str, list[int]] = {}
         self._aborts: list[str] = []
 
     def ready(self, engine_index: int, pid: int) -> EngineReady:
@@ -97,9 +98,13 @@ class SchedulerCore:
     def update(self) -> dict[int, list[RequestOutput]]:
         step, self._step = self._step, None
         assert step is not None, "update() without schedule()"
-        sampled, self._sampled = self._sampled, {}
+        result, self._sampled = self._sampled, {}
         self._apply_aborts()  # those that arrived during the forward: before its outputs
-        return self.scheduler.update_from_output(step, sampled)
+        if isinstance(result, StepResult):
+            return self.scheduler.update_from_output(
+                step, result.sampled, result.logprobs, result.prompt_logprobs
+            )
+        return self.scheduler.update_from_output(step, result)
 
     def stats(self) -> EngineStats:
         return self.scheduler.stats()

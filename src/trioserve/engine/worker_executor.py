@@ -46,6 +46,7 @@ from trioserve.protocol.worker_messages import (
     WorkerReady,
     WorkerShutdown,
     WorkerStep,
+    step_result_bytes,
     worker_output_codec,
 )
 from trioserve.runtime.reaper import reap
@@ -87,6 +88,7 @@ class WorkerExecutorConfig:
             step_slot_bytes=step_slot_bytes(
                 engine.max_num_batched_tokens, engine.max_num_seqs, model.max_model_len, engine.block_size
             ),
+            result_slot_bytes=step_result_bytes(engine.max_num_batched_tokens, engine.max_num_seqs),
             log_level=config.log_level,
         )
 
@@ -128,7 +130,7 @@ class WorkerExecutor:
         self.on_failure: Callable[[], None] = lambda: None  # the engine core wakes its busy loop here
         self._stopping = False
 
-    async def execute(self, step: SchedulerOutput) -> dict[str, list[int]]:
+    async def execute(self, step: SchedulerOutput) -> StepResult:
         if self.failure is not None:
             raise self.failure
         try:
@@ -143,7 +145,7 @@ class WorkerExecutor:
             raise self._fail(f"worker 0 took more than {self.config.step_timeout:g} s on step {step.step}")
         if not isinstance(message, StepResult) or message.step != step.step:
             raise self._fail(f"worker 0 answered step {step.step} with {message!r}")
-        return message.sampled
+        return message
 
     async def _read(self) -> WorkerOutput:
         try:

@@ -25,6 +25,7 @@ import trio
 from trioserve.config import AdmissionConfig, ModelConfig, RequestConfig, StreamsConfig
 from trioserve.frontend.engine_client import EngineClient
 from trioserve.frontend.output.chunks import ChunkEncoder, Kind
+from trioserve.frontend.output.logprobs import LogprobsFormat, TokenStrings
 from trioserve.frontend.output.output_handler import ChoiceState, OutputHandler
 from trioserve.frontend.output.responses import CollectingResponse, Response, ResponseSink, StreamingResponse
 from trioserve.frontend.request.admission import Admission, Ticket
@@ -105,6 +106,7 @@ class Serving:
         self.model = model  # what is served: names and the context length
         self.request = request
         self.tokenizer = tokenizer
+        self.token_strings = TokenStrings(tokenizer.token_bytes)  # logprobs' per-token JSON, shared
         self.engine = engine
         self.handler = handler
         self.dead_reason: str | None = None
@@ -313,11 +315,17 @@ class Serving:
             kind, response_id, int(arrival), options.model, options.return_token_ids, continuous
         )
         built = (sink, encoder, options, prompts[0], params, req.priority, ticket, self._on_done)
+        # logprobs: rendered from the tokenizer's own bytes per token (frontend/output/logprobs.py)
+        lp = (
+            None
+            if options.logprobs is None and options.prompt_logprobs is None
+            else LogprobsFormat(kind, self.token_strings)
+        )
         if not options.stream:
-            return CollectingResponse(*built, prompts=prompts)
+            return CollectingResponse(*built, prompts=prompts, logprobs=lp)
         policy = self.stream_policy
         stalled = self.handler.stalled if policy.kind == "stall" else None
-        return StreamingResponse(*built, policy=policy, stalled=stalled, prompts=prompts)
+        return StreamingResponse(*built, policy=policy, stalled=stalled, prompts=prompts, logprobs=lp)
 
     def _submit(self, response: Response, arrival: float) -> None:
         """Register every choice with the output handler and queue it for the engine. Choice ``i`` is
@@ -331,12 +339,27 @@ class Serving:
         matcher = (
             StopStringMatcher(options.stop, options.include_stop_str_in_output) if options.stop else None
         )
+        # echo: each prompt's text as the model saw it (after truncation), special tokens included.
+        decode = self.tokenizer.decode
+        echo = [decode(p, skip_special_tokens=False) for p in response.prompts] if options.echo else []
         for i, request_id in enumerate(response.request_ids):
             prompt_ids, sample = response.prompts[i // n], i % n
             stop = matcher if matcher is None or i == 0 else matcher.fork()
             detok = self.tokenizer.detokenizer(options.skip_special_tokens, prompt_ids=prompt_ids)
             include = options.include_stop_str_in_output
-            self.handler.register(ChoiceState(request_id, i, response, detok, stop, include, arrival))
+            self.handler.register(
+                ChoiceState(
+                    request_id,
+                    i,
+                    response,
+                    detok,
+                    stop,
+                    include,
+                    arrival,
+                    extras=response.token_format is not None or options.echo,
+                    echo=echo[i // n] if echo else None,
+                )
+            )
             # Parallel samples with a seed get distinct but reproducible seeds (as vLLM does); each
             # prompt's samples get the seeds it would get alone.
             sp = (

@@ -14,6 +14,13 @@ running by then, including one that arrived during the step (prefill is instant)
 are ``StepClock``'s. An abort is applied the moment the shell hands it over (as it arrives), so one
 that arrives during a step lands before that step's tokens are made: a stop-string abort costs at
 most one step.
+
+Logprobs (a request's ``logprobs``/``prompt_logprobs``): made up, but shaped like a model's. Each
+position gets k alternatives with logprobs sorted descending and a token id each (distinct); the token
+itself is usually the most likely one (rank 1, with the top logprob) and otherwise ranks lower, with
+its own logprob in its rank's place in the same descending sequence, so rank 1 holds exactly when the
+token has the top logprob. Drawn from the request's RNG, so a seeded request repeats them. A request
+that asks for none costs one attribute test per step.
 """
 
 from __future__ import annotations
@@ -25,7 +32,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from trioserve.config import EngineConfig, MockConfig, ModelConfig
-from trioserve.protocol.messages import AddRequest, EngineReady, EngineStats, RequestOutput
+from trioserve.protocol.messages import (
+    AddRequest,
+    EngineReady,
+    EngineStats,
+    RequestOutput,
+    TokenLogprobs,
+)
 
 
 class StepClock:
@@ -57,12 +70,35 @@ class StepClock:
         self._last_end = -math.inf
 
 
+def mock_logprobs(rng: random.Random, token: int, k: int, vocab: int) -> TokenLogprobs:
+    """Plausible logprobs for ``token`` with ``k`` alternatives (see the module docstring)."""
+    rank = 1 if rng.random() < 0.7 else rng.randrange(2, k + 6)
+    values = []
+    value = -rng.random() * 0.5
+    for _ in range(max(k, rank)):
+        values.append(value)
+        value -= 0.05 + rng.random() * 2.0  # strictly descending
+    top_ids = []
+    start = rng.randrange(1, vocab) if vocab > 1 else 0
+    other = (token + start) % vocab
+    for i in range(min(k, vocab)):
+        if i == rank - 1:
+            top_ids.append(token)
+            continue
+        while other == token:
+            other = (other + 1) % vocab
+        top_ids.append(other)
+        other = (other + 1) % vocab
+    return TokenLogprobs(token, values[rank - 1], rank, top_ids, values[: len(top_ids)])
+
+
 @dataclass(slots=True)
 class _MockRequest:
     add: AddRequest
     rng: random.Random | None  # per-request RNG when the request carries a seed, else the engine's
     stop_ids: frozenset[int]
     num_output: int = 0
+    logprobs: bool = False  # asks for logprobs or prompt logprobs
 
 
 @dataclass(slots=True)
@@ -140,7 +176,8 @@ class MockCore:
         if add.eos_token_id is not None and not sp.ignore_eos:
             stop_ids.add(add.eos_token_id)
         rng = random.Random(sp.seed) if sp.seed is not None else None
-        self.waiting.append(_MockRequest(add, rng, frozenset(stop_ids)))
+        wants = sp.logprobs is not None or sp.prompt_logprobs is not None
+        self.waiting.append(_MockRequest(add, rng, frozenset(stop_ids), logprobs=wants))
         return None
 
     def abort(self, request_ids: list[str]) -> None:
@@ -177,10 +214,13 @@ class MockCore:
         engine_rng = self._rng
         vocab = self.vocab_size
         for rid, req in self.running.items():
-            token = (req.rng or engine_rng).randrange(vocab)
+            rng = req.rng or engine_rng
+            token = rng.randrange(vocab)
             req.num_output += 1
             sp = req.add.sampling
             out = RequestOutput(rid, [token])
+            if req.logprobs:  # the only per-step cost for a request that asks for none
+                self._add_logprobs(out, req, rng, token)
             if token in req.stop_ids and req.num_output > sp.min_tokens:
                 out.finish_reason = "stop"
                 out.stop_token_id = token
@@ -198,6 +238,17 @@ class MockCore:
         for rid in finished:
             del self.running[rid]
         return outputs
+
+    def _add_logprobs(self, out: RequestOutput, req: _MockRequest, rng: random.Random, token: int) -> None:
+        """The output token's logprobs, and on the first output the prompt's (one per prompt token,
+        the first None: nothing precedes it), as the request asks."""
+        sp, vocab = req.add.sampling, self.vocab_size
+        if sp.logprobs is not None:
+            out.logprobs = [mock_logprobs(rng, token, sp.logprobs, vocab)]
+        k = sp.prompt_logprobs
+        if k is not None and req.num_output == 1:
+            prompt = req.add.prompt_token_ids
+            out.prompt_logprobs = [None, *(mock_logprobs(rng, t, k, vocab) for t in prompt[1:])]
 
     def stats(self) -> EngineStats:
         return EngineStats(num_waiting=len(self.waiting), num_running=len(self.running))

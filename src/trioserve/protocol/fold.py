@@ -21,6 +21,10 @@ def fold_outputs(into: EngineOutputs, newer: EngineOutputs) -> None:
             by_id[out.request_id] = out
             continue
         held.new_token_ids += out.new_token_ids
+        if out.logprobs is not None:  # one per token: they stay side by side with the ids
+            held.logprobs = [*(held.logprobs or ()), *out.logprobs]
+        if held.prompt_logprobs is None:  # only a request's first output has them
+            held.prompt_logprobs = out.prompt_logprobs
         if held.finish_reason is None:
             held.finish_reason = out.finish_reason
             held.stop_token_id = out.stop_token_id

@@ -116,6 +116,12 @@ class SamplingParams(_Wire):
     logit_bias: dict[int, float] | None = None  # token id -> -100..100, added to its logit
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     bad_words_token_ids: list[list[int]] | None = None  # the bad words, tokenized by the API server
+    # Logprobs (``TokenLogprobs`` below): None asks for none; k >= 0 asks for the sampled token's own
+    # logprob and rank plus the k most likely alternatives, for each output token (``logprobs``) and,
+    # on the request's first output, for each prompt token (``prompt_logprobs``). The API server caps
+    # k at --max-logprobs.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
 
 class AddRequest(_Wire, tag="add"):
@@ -154,6 +160,20 @@ class RequestEvent(_Wire):
     timestamp: float  # engine wall clock
 
 
+class TokenLogprobs(_Wire):
+    """One position's logprobs. Output tokens: of the distribution the token was sampled from (after
+    logit_bias, allowed/bad words, penalties and temperature; before min_p, top-k and top-p; how that
+    differs from vLLM's modes is in docs/openai_api.md). Prompt tokens: of the raw logits.
+    ``top_ids``/``top_logprobs``: the k most likely tokens, most likely first (k = the request's
+    ``logprobs``; may include the token itself)."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top_ids: list[int] = msgspec.field(default_factory=list)
+    top_logprobs: list[float] = msgspec.field(default_factory=list)
+
+
 class RequestOutput(_Wire):
     request_id: str
     new_token_ids: list[int]
@@ -162,6 +182,11 @@ class RequestOutput(_Wire):
     num_cached_tokens: int = 0
     error: str | None = None  # set with finish_reason == "error": why the engine refused or failed it
     events: list[RequestEvent] | None = None
+    # With SamplingParams.logprobs: one entry per new_token_ids entry, in order.
+    logprobs: list[TokenLogprobs] | None = None
+    # With SamplingParams.prompt_logprobs, on the request's first output only: one entry per prompt
+    # token; the first is None (nothing precedes it), as in vLLM.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class EngineStats(_Wire):

@@ -9,6 +9,7 @@ import msgspec
 
 from trioserve.config import WorkerConfig
 from trioserve.protocol.codec import Codec
+from trioserve.protocol.messages import TokenLogprobs
 from trioserve.protocol.ring_layout import RingHandle
 from trioserve.protocol.step import SchedulerOutput
 
@@ -62,8 +63,32 @@ class WorkerReady(_Wire, tag="ready"):
 
 
 class StepResult(_Wire, tag="result"):
+    """One step's answer: the sampled token ids of the requests whose chunk samples, and, for requests
+    that ask, their logprobs (``SamplingParams.logprobs``: one entry per sampled token) and this
+    step's prompt logprobs (``prompt_logprobs``: the prompt tokens this step's chunk made known, in
+    prompt order from the second token; the engine core gathers a request's chunks for its first
+    output). A step where no request asks sends None for both."""
+
     step: int  # the SchedulerOutput.step it answers
     sampled: dict[str, list[int]]
+    logprobs: dict[str, list[TokenLogprobs]] | None = None
+    prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None
+
+
+# The most alternatives per token (SamplingParams.logprobs / prompt_logprobs) the engine computes: the
+# result ring's slots are sized for it (``step_result_bytes``); the engine refuses a request asking
+# for more (the API server's --max-logprobs, 20 by default, is normally far below).
+MAX_ENGINE_LOGPROBS = 64
+
+
+def step_result_bytes(max_num_batched_tokens: int, max_num_seqs: int) -> int:
+    """An upper bound on one encoded ``StepResult``, rounded up to a MiB, at least 1 MiB: a step sends
+    at most one prompt logprobs entry per computed token and one sampled entry per request, each at
+    most ``MAX_ENGINE_LOGPROBS`` alternatives (a 5-byte id and a 9-byte float64 each) plus its own
+    fields and headers (26 bytes); per request its id (1 KiB) in each of the three maps and a token."""
+    per_entry = 26 + 14 * MAX_ENGINE_LOGPROBS
+    bound = (max_num_batched_tokens + max_num_seqs) * per_entry + max_num_seqs * (3 * 1024 + 16) + 4096
+    return max(1, -(-bound // (1 << 20))) * (1 << 20)
 
 
 class WorkerFailed(_Wire, tag="failed"):

@@ -1,7 +1,7 @@
 """``trioserve worker``: a worker process, started by its engine core (design §2, §8).
 
 A plain synchronous loop, no event loop: block on the step ring, run the step, and (output rank only)
-put the sampled tokens on the result ring. The engine core owns this process's lifetime:
+put the sampled tokens (and any logprobs) on the result ring. The engine core owns this process's lifetime:
 
 - it ends on ``WorkerShutdown``, or when the step ring's writer closes or dies (pipe EOF), or when the
   result ring's reader is found dead while answering, so a worker never outlives its engine core (one
@@ -25,7 +25,6 @@ import transformers
 
 from trioserve.models.geometry import KVGeometry
 from trioserve.protocol.worker_messages import (
-    StepResult,
     WorkerFailed,
     WorkerLaunch,
     WorkerReady,
@@ -90,12 +89,12 @@ def _serve(launch: WorkerLaunch, steps: RingReader, answer: Callable[[msgspec.St
                 return 0
             case WorkerStep(step=step):
                 try:
-                    sampled = runner.execute(step)
+                    result = runner.run(step)
                 except Exception as exc:
                     log.exception("worker %d failed in step %d", launch.rank, step.step)
                     answer(WorkerFailed(launch.rank, f"step {step.step} failed: {exc!r}"))
                     return 1
-                answer(StepResult(step.step, sampled))
+                answer(result)
 
 
 def _load(launch: WorkerLaunch) -> ModelRunner:

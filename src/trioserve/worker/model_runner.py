@@ -17,7 +17,19 @@ earlier request wrote). A request that uses no such processor keeps no history.
 
 All scheduled tokens of a step run as one flat sequence (continuous batching: prefill chunks and
 decodes in the same forward); ``paged_attention`` maps them onto the paged cache. Only the rows that
-sample go through the LM head (``logits_to_keep`` with their indices).
+sample go through the LM head (``logits_to_keep`` with their indices), and the prompt rows of requests
+that ask for prompt logprobs.
+
+Logprobs: a sampling row whose request asks (``SamplingParams.logprobs``) gets its token's logprobs
+from the sampler (its docstring says of which distribution). Prompt logprobs
+(``SamplingParams.prompt_logprobs``) are of the model's own distribution (the raw logits: no
+temperature or processors apply to tokens nobody sampled, as in vLLM): the logits at position ``p``
+give prompt token ``p + 1``'s. A chunk's last prompt row predicts the first token of the next chunk,
+which only comes with it: that row's logits wait on the request (``_Sequence.pending_prompt_row``)
+until then. Each step's prompt logprobs are sent for the prompt tokens it made known, in order, and
+the scheduler gathers them for the request's first output; it also sees that such a request's prompt
+is computed from position 0 (no prefix-cache hit: a cached prefix has no logits) and that a request
+that has sent them does not ask again after a preemption.
 """
 
 from __future__ import annotations
@@ -31,10 +43,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from trioserve.models.geometry import KVGeometry
-from trioserve.protocol.messages import SamplingParams
+from trioserve.protocol.messages import SamplingParams, TokenLogprobs
 from trioserve.protocol.step import SchedulerOutput
+from trioserve.protocol.worker_messages import StepResult
 from trioserve.worker.paged_attention import ATTN_IMPLEMENTATION, BatchLayout, PagedKVCache, PrefillSpan
-from trioserve.worker.sampler import RequestProcessors, Sampler, SamplingRow
+from trioserve.worker.sampler import RequestProcessors, Sampler, SamplingRow, token_logprobs
 
 log = logging.getLogger("trioserve.worker")
 
@@ -58,6 +71,8 @@ class _Sequence:
     num_prompt_tokens: int
     stop_ids: tuple[int, ...]  # banned while fewer than min_tokens outputs exist
     processors: RequestProcessors | None  # the sampler's state for its logits processors, if any
+    # With prompt logprobs: the last computed prompt row's logits, until the token it predicts comes.
+    pending_prompt_row: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -117,6 +132,10 @@ class ModelRunner:
     # ----------------------------------------------------------------------------------------------
 
     def execute(self, step: SchedulerOutput) -> dict[str, list[int]]:
+        """The sampled token ids of the step (``run`` without the logprobs)."""
+        return self.run(step).sampled
+
+    def run(self, step: SchedulerOutput) -> StepResult:
         for rid in (*step.finished_request_ids, *step.preempted_request_ids):
             gone = self.sequences.pop(rid, None)
             if gone is not None and gone.processors is not None:
@@ -146,10 +165,10 @@ class ModelRunner:
                 )
             )
         if not scheduled:
-            return {}
+            return StepResult(step.step, {})
         with torch.inference_mode():
             self._record_history(scheduled)
-            return self._forward(scheduled)
+            return self._forward(step.step, scheduled)
 
     def _record_history(self, scheduled: list[_Scheduled]) -> None:
         """Hands each history-keeping request's tokens of this step to the sampler, preceded by any it
@@ -172,19 +191,30 @@ class ModelRunner:
         if entries:
             self.sampler.record(entries)
 
-    def _forward(self, scheduled: list[_Scheduled]) -> dict[str, list[int]]:
+    def _forward(self, step: int, scheduled: list[_Scheduled]) -> StepResult:
         dev = self.device
         input_ids: list[int] = []
         positions: list[int] = []
-        sample_rows: list[int] = []
+        keep: list[int] = []  # the rows through the LM head: prompt-logprobs rows, sampling rows
+        sample_at: list[int] = []  # each sampling row's place in ``keep``
         sampling: list[SamplingRow] = []
         sample_ids: list[str] = []
+        prompt_spans: list[tuple[_Scheduled, int, int]] = []  # (item, place in keep, rows)
         for item in scheduled:
             n = len(item.token_ids)
+            row = len(input_ids)
             input_ids += item.token_ids
             positions += range(item.start, item.start + n)
+            seq = self.sequences[item.request_id]
+            if seq.sampling.prompt_logprobs is not None:
+                # Rows at positions up to the prompt's second-to-last predict prompt tokens.
+                rows = max(0, min(n, seq.num_prompt_tokens - 1 - item.start))
+                if rows or seq.pending_prompt_row is not None:
+                    prompt_spans.append((item, len(keep), rows))
+                    keep += range(row, row + rows)
             if item.samples:
-                sample_rows.append(len(input_ids) - 1)
+                sample_at.append(len(keep))
+                keep.append(row + n - 1)
                 sample_ids.append(item.request_id)
                 sampling.append(self._sampling_row(item))
         layout = self._layout(scheduled, positions)
@@ -194,14 +224,60 @@ class ModelRunner:
             input_ids=ids,
             position_ids=torch.tensor([positions], device=dev),
             use_cache=False,
-            logits_to_keep=torch.tensor(sample_rows, dtype=torch.long, device=dev),
+            logits_to_keep=torch.tensor(keep, dtype=torch.long, device=dev),
             trioserve_layout=layout,
             trioserve_cache=self.cache,
         )
-        if not sample_rows:
-            return {}
-        tokens = self.sampler.sample(out.logits[0], sampling)
-        return {rid: [token] for rid, token in zip(sample_ids, tokens, strict=True)}
+        if not keep:
+            return StepResult(step, {})
+        logits = out.logits[0]
+        prompt_logprobs = self._prompt_logprobs(logits, prompt_spans) if prompt_spans else None
+        if not sample_at:
+            return StepResult(step, {}, None, prompt_logprobs)
+        if len(sample_at) < len(keep):
+            logits = logits[torch.tensor(sample_at, device=dev)]
+        tokens, found = self.sampler.sample_with_logprobs(logits, sampling)
+        sampled = {rid: [token] for rid, token in zip(sample_ids, tokens, strict=True)}
+        logprobs = {sample_ids[i]: [lp] for i, lp in found.items()} if found else None
+        return StepResult(step, sampled, logprobs, prompt_logprobs)
+
+    def _prompt_logprobs(
+        self, logits: torch.Tensor, spans: list[tuple[_Scheduled, int, int]]
+    ) -> dict[str, list[TokenLogprobs]] | None:
+        """The prompt tokens' logprobs this step makes known, per request, in prompt order, for all the
+        requests in one ``token_logprobs`` call; each request's newest prompt row is held back as its
+        ``pending_prompt_row`` when the token it predicts is in the next chunk."""
+        parts: list[torch.Tensor] = []
+        targets: list[int] = []
+        ks: list[int] = []
+        owners: list[tuple[str, int]] = []  # (request id, entries)
+        for item, at, rows in spans:
+            seq = self.sequences[item.request_id]
+            k = seq.sampling.prompt_logprobs or 0
+            n = len(item.token_ids)
+            block = logits[at : at + rows]
+            # Rows before the chunk's last predict tokens of this chunk; the last may predict the next.
+            known = rows if rows < n else rows - 1
+            entries = known
+            if seq.pending_prompt_row is not None:
+                parts.append(seq.pending_prompt_row)
+                targets.append(item.token_ids[0])
+                entries += 1
+            parts.append(block[:known])
+            targets += item.token_ids[1 : known + 1]
+            seq.pending_prompt_row = block[known:].clone() if known < rows else None
+            ks += [k] * entries
+            owners.append((item.request_id, entries))
+        if not targets:
+            return None
+        found = token_logprobs(torch.cat(parts), targets, ks)
+        result: dict[str, list[TokenLogprobs]] = {}
+        start = 0
+        for rid, entries in owners:
+            if entries:
+                result[rid] = found[start : start + entries]
+                start += entries
+        return result
 
     def _sampling_row(self, item: _Scheduled) -> SamplingRow:
         seq = self.sequences[item.request_id]
@@ -209,7 +285,7 @@ class ModelRunner:
         output_index = item.start + len(item.token_ids) - seq.num_prompt_tokens
         banned = seq.stop_ids if output_index < s.min_tokens else ()
         return SamplingRow(
-            s.temperature, s.top_p, s.top_k, s.seed, output_index, banned, s.min_p, seq.processors
+            s.temperature, s.top_p, s.top_k, s.seed, output_index, banned, s.min_p, seq.processors, s.logprobs
         )
 
     def _layout(self, scheduled: list[_Scheduled], positions: list[int]) -> BatchLayout:

@@ -28,6 +28,7 @@ class ChunkEncoder:
     __slots__ = (
         "_after_text",
         "_head",
+        "_logprobs_key",
         "_prompt_tokens",
         "_return_ids",
         "_text_key",
@@ -65,6 +66,7 @@ class ChunkEncoder:
         self._after_text = (
             b'},"logprobs":null,"finish_reason":' if kind == "chat" else b',"logprobs":null,"finish_reason":'
         )
+        self._logprobs_key = b'},"logprobs":' if kind == "chat" else b',"logprobs":'
 
     def delta(
         self,
@@ -74,14 +76,18 @@ class ChunkEncoder:
         finish_reason: str | None = None,
         stop_reason: int | str | None = None,
         completion_tokens: int = 0,
+        logprobs: bytes | None = None,
     ) -> bytes:
-        """One chunk; ``completion_tokens`` (the response's so far) only matters with continuous usage."""
+        """One chunk; ``completion_tokens`` (the response's so far) only matters with continuous usage;
+        ``logprobs``: the JSON of this chunk's tokens' logprobs (``logprobs.py``), None for null."""
         parts = [
             self._head,
             b'{"index":%d' % index,
             self._text_key,
             _encode(text),
-            self._after_text,
+            self._after_text
+            if logprobs is None
+            else b'%b%b,"finish_reason":' % (self._logprobs_key, logprobs),
             _FINISH[finish_reason],
         ]
         if finish_reason is not None:
@@ -121,9 +127,10 @@ class Choice(msgspec.Struct, omit_defaults=True):
     stop_reason: int | str | None = None
     message: dict[str, str] | None = None
     text: str | None = None
-    logprobs: None = None
+    logprobs: msgspec.Raw | None = None  # the JSON ``logprobs.py`` renders; omitted when not asked
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None  # completions (vLLM's place); chat: the response's
+    prompt_logprobs: msgspec.Raw | None = None  # the same places as prompt_token_ids
 
 
 class FullResponse(msgspec.Struct, omit_defaults=True):
@@ -134,6 +141,7 @@ class FullResponse(msgspec.Struct, omit_defaults=True):
     choices: list[Choice]
     usage: Usage
     prompt_token_ids: list[int] | None = None
+    prompt_logprobs: msgspec.Raw | None = None
 
 
 def full_body(
@@ -145,6 +153,7 @@ def full_body(
     prompt_tokens: int,
     completion: int,
     prompt_token_ids: list[int] | None,
+    prompt_logprobs: bytes | None = None,
 ) -> bytes:
     return _encode(
         FullResponse(
@@ -155,5 +164,6 @@ def full_body(
             choices=choices,
             usage=Usage(prompt_tokens, completion, prompt_tokens + completion),
             prompt_token_ids=prompt_token_ids,
+            prompt_logprobs=None if prompt_logprobs is None else msgspec.Raw(prompt_logprobs),
         )
     )

@@ -22,12 +22,19 @@ from dataclasses import dataclass
 
 import trio
 
+from trioserve.frontend.output.logprobs import echo_logprobs
 from trioserve.frontend.output.responses import Response, StreamingResponse
 from trioserve.frontend.output.step_queue import QueuePolicy, StepQueue
 from trioserve.frontend.text.detokenizer import Detokenizer
 from trioserve.frontend.text.stop_strings import StopStringMatcher
 from trioserve.metrics import Metrics
-from trioserve.protocol.messages import EngineOutputs, EngineStats, RequestEvent
+from trioserve.protocol.messages import (
+    EngineOutputs,
+    EngineStats,
+    FinishReason,
+    RequestEvent,
+    RequestOutput,
+)
 
 log = logging.getLogger("trioserve.frontend")
 
@@ -45,6 +52,9 @@ class ChoiceState:
     arrival: float = 0.0  # wall clock when the API server received the request
     last_token_time: float = 0.0  # wall clock of the last delivery; 0 until the first token
     queued_at: float = 0.0  # the engine's "queued" stamp, until its first "scheduled" one
+    # The response shows logprobs, or echoes the prompt: its deltas take ``OutputHandler._extras``.
+    extras: bool = False
+    echo: str | None = None  # the prompt's text, until the first delta carries it (completions' echo)
 
 
 class StampedStepQueue(StepQueue):
@@ -180,20 +190,23 @@ class OutputHandler:
             choice.last_token_time = now
             detok = choice.detokenizer
             stop_reason: int | str | None = out.stop_token_id
-            if stop_reason is not None and not choice.include_stop:
-                # The stop token ends the text; like vLLM, its own text is not shown.
-                text = detok.step_many(ids[:-1])
+            if choice.extras:  # the one test a request without logprobs or echo pays per delta
+                text, finish, stop_reason = self._extras(choice, out, finish, stop_reason, to_abort)
             else:
-                text = detok.step(ids[0]) if len(ids) == 1 else detok.step_many(ids)
-            if choice.stop is not None:
-                result = choice.stop.feed(text)
-                text = result.text
-                if result.matched is not None:
-                    if finish is None:
-                        to_abort.append(out.request_id)
-                    finish, stop_reason = "stop", result.matched
-                elif finish is not None:
-                    text += choice.stop.flush()
+                if stop_reason is not None and not choice.include_stop:
+                    # The stop token ends the text; like vLLM, its own text is not shown.
+                    text = detok.step_many(ids[:-1])
+                else:
+                    text = detok.step(ids[0]) if len(ids) == 1 else detok.step_many(ids)
+                if choice.stop is not None:
+                    result = choice.stop.feed(text)
+                    text = result.text
+                    if result.matched is not None:
+                        if finish is None:
+                            to_abort.append(out.request_id)
+                        finish, stop_reason = "stop", result.matched
+                    elif finish is not None:
+                        text += choice.stop.flush()
             if finish is not None:
                 del choices[out.request_id]
                 metrics.e2e.observe(now - choice.arrival)
@@ -204,6 +217,59 @@ class OutputHandler:
             metrics.iteration_tokens.observe(tokens + prefilled)
         if to_abort:
             self._abort(to_abort)
+
+    @staticmethod
+    def _extras(
+        choice: ChoiceState,
+        out: RequestOutput,
+        finish: FinishReason | None,
+        stop_reason: int | str | None,
+        to_abort: list[str],
+    ) -> tuple[str, FinishReason | None, int | str | None]:
+        """``process``'s text and stop-string step for a choice that shows logprobs or echoes its
+        prompt: it also hands the response the logprobs of the delta's tokens, and puts the prompt
+        (its text, and with logprobs its logprobs) before the first delta's. Returns the text, finish
+        and stop reason.
+
+        The rule for stop strings: a stop string's match is found token by token, and the logprobs of
+        every token up to and including the one whose text completes the match are kept; tokens after
+        it in the same delta (several tokens per delta: a folded step) are dropped, as their text is.
+        A stop token's own logprob is kept (the engine sampled it), though its text is not shown."""
+        ids = out.new_token_ids
+        response = choice.response
+        entries = out.logprobs or []
+        detok = choice.detokenizer
+        shown = ids[:-1] if stop_reason is not None and not choice.include_stop else ids
+        stop = choice.stop
+        if stop is None:
+            text = detok.step_many(shown)
+        else:
+            parts = []
+            for k, token_id in enumerate(shown):
+                result = stop.feed(detok.step(token_id))
+                parts.append(result.text)
+                if result.matched is not None:
+                    if finish is None:
+                        to_abort.append(out.request_id)
+                    finish, stop_reason = "stop", result.matched
+                    entries = entries[: k + 1]
+                    break
+            else:
+                if finish is not None:
+                    parts.append(stop.flush())
+            text = "".join(parts)
+        if choice.echo is not None:  # the first delta: the prompt comes first (not stop-checked)
+            text = choice.echo + text
+            choice.echo = None
+            if response.logprobs is not None:
+                prompt = response.prompts[choice.index // response.options.n]
+                k = response.options.logprobs or 0
+                entries = [*echo_logprobs(prompt, out.prompt_logprobs, k), *entries]
+        if out.prompt_logprobs is not None and response.options.prompt_logprobs is not None:
+            response.on_prompt_logprobs(choice.index, out.prompt_logprobs)
+        if response.logprobs is not None:
+            response.on_logprobs(choice.index, entries)
+        return text, finish, stop_reason
 
     def _observe_events(self, choice: ChoiceState, events: list[RequestEvent]) -> None:
         """Queue time from the engine's own stamps: queued -> first scheduled (rare: per request)."""

@@ -22,12 +22,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import msgspec
+
 from trioserve.config import StreamPolicy
 from trioserve.frontend.output.chunks import Choice, ChunkEncoder, full_body
+from trioserve.frontend.output.logprobs import LogprobsFormat
 from trioserve.frontend.request.admission import Ticket
 from trioserve.frontend.request.errors import ApiError
 from trioserve.frontend.request.validate import OutputOptions
-from trioserve.protocol.messages import SamplingParams
+from trioserve.protocol.messages import SamplingParams, TokenLogprobs
 
 
 class Wakeable(Protocol):
@@ -79,11 +82,16 @@ class Response(ABC):
         on_done: Callable[[Response], None],
         *,
         prompts: list[list[int]] | None = None,
+        logprobs: LogprobsFormat | None = None,
     ) -> None:
         """``params``: what the engine is asked for; ``ticket``: the admission slot, released when the
         response retires; ``on_done``: called once, when the response completes; ``prompts``: every
         prompt of a request with several (``/v1/completions``), the first being ``prompt_token_ids``.
-        Choice ``i`` is sample ``i % n`` of prompt ``i // n``, as OpenAI numbers them."""
+        Choice ``i`` is sample ``i % n`` of prompt ``i // n``, as OpenAI numbers them. ``logprobs``:
+        how to render logprobs, for a request that asks for them or for ``prompt_logprobs`` (None:
+        it asks for neither). ``self.logprobs`` is set only when the output's are shown."""
+        self.logprobs = logprobs if options.logprobs is not None else None
+        self.token_format = logprobs
         self.sink = sink
         self.encoder = encoder
         self.options = options
@@ -101,6 +109,10 @@ class Response(ABC):
         # One engine request per choice; the id is also the response's key in the output handler.
         self.request_ids = [f"{encoder.id}-{i}" for i in range(choices)]
         self._on_done = on_done
+        # Per choice: logprobs handed over and not rendered yet (those of merged deltas accumulate),
+        # and, for completions, the text offset the next token starts at.
+        self._logprobs: list[list[TokenLogprobs]] = [[] for _ in range(choices)] if logprobs else []
+        self._text_offset = [0] * choices if logprobs else []
         self._start(choices)
         sink.response = self
 
@@ -121,6 +133,25 @@ class Response(ABC):
         self, index: int, text: str, token_ids: list[int], finish: str | None, stop_reason: int | str | None
     ) -> None:
         """New text and token ids of one choice from one engine step; ``finish`` ends that choice."""
+
+    def on_logprobs(self, index: int, entries: list[TokenLogprobs]) -> None:
+        """The logprobs of the tokens of choice ``index``'s next ``on_delta`` (called just before it,
+        only for a response with ``logprobs``)."""
+        self._logprobs[index] += entries
+
+    def on_prompt_logprobs(self, index: int, entries: list[TokenLogprobs | None]) -> None:  # noqa: B027
+        """vLLM's ``prompt_logprobs`` of choice ``index`` (a full response shows them; streams refuse
+        them in validation)."""
+
+    def _take_logprobs(self, index: int) -> bytes:
+        """The JSON of choice ``index``'s logprobs handed over since the last call."""
+        fmt = self.logprobs
+        assert fmt is not None
+        entries, self._logprobs[index] = self._logprobs[index], []
+        if fmt.kind == "chat":
+            return fmt.chat(entries)
+        body, self._text_offset[index] = fmt.completion(entries, self._text_offset[index])
+        return body
 
     def on_drained(self) -> None:  # noqa: B027  (deliberately a no-op: only streams merge)
         """The sink caught up: write what was merged while it was backlogged."""
@@ -169,6 +200,7 @@ class StreamingResponse(Response):
         policy: StreamPolicy,
         stalled: list[StreamingResponse] | None = None,
         prompts: list[list[int]] | None = None,
+        logprobs: LogprobsFormat | None = None,
     ) -> None:
         """``policy``: what to do while the client is behind (``--stream-policy``); ``stalled``: under
         ``stall``, the output handler's list of responses it waits for before its next step."""
@@ -178,7 +210,16 @@ class StreamingResponse(Response):
         # waits for that (the output handler, under ``stall``).
         self.on_caught_up: Callable[[], None] | None = None
         super().__init__(
-            sink, encoder, options, prompt_token_ids, params, priority, ticket, on_done, prompts=prompts
+            sink,
+            encoder,
+            options,
+            prompt_token_ids,
+            params,
+            priority,
+            ticket,
+            on_done,
+            prompts=prompts,
+            logprobs=logprobs,
         )
 
     def _start(self, n: int) -> None:
@@ -218,8 +259,9 @@ class StreamingResponse(Response):
         if not (self._pending or sink.backlogged or self.remaining == 0 or self._role_pending[index]):
             # The common case, once per token: one chunk, written at once.
             self.content_events += 1
+            lp = None if self.logprobs is None else self._take_logprobs(index)
             sink.event(
-                self.encoder.delta(index, text, token_ids, finish, stop_reason, self.completion_tokens)
+                self.encoder.delta(index, text, token_ids, finish, stop_reason, self.completion_tokens, lp)
             )
             return
         if sink.backlogged and not self._pending and self._queued < self.policy.queue_events:
@@ -231,8 +273,9 @@ class StreamingResponse(Response):
         if self._role_pending[index]:
             self._role_pending[index] = False
             payloads.append(self.encoder.role(index))
+        lp = None if self.logprobs is None else self._take_logprobs(index)
         payloads.append(
-            self.encoder.delta(index, text, token_ids, finish, stop_reason, self.completion_tokens)
+            self.encoder.delta(index, text, token_ids, finish, stop_reason, self.completion_tokens, lp)
         )
         self.content_events += 1
         if self.remaining == 0:
@@ -282,6 +325,7 @@ class StreamingResponse(Response):
                     merged.finish_reason,
                     merged.stop_reason,
                     self.completion_tokens,
+                    None if self.logprobs is None else self._take_logprobs(index),
                 )
             )
         self.content_events += len(self._pending)
@@ -323,6 +367,12 @@ class CollectingResponse(Response):
         self._texts: list[list[str]] = [[] for _ in range(n)]
         self._ids: list[list[int]] = [[] for _ in range(n)]
         self._finish_reasons: list[tuple[str | None, int | str | None]] = [(None, None)] * n
+        self._prompt_logprobs: list[bytes | None] = [None] * n
+
+    def on_prompt_logprobs(self, index: int, entries: list[TokenLogprobs | None]) -> None:
+        k = self.options.prompt_logprobs
+        if self.token_format is not None and k is not None:
+            self._prompt_logprobs[index] = self.token_format.prompt(entries, k)
 
     def on_delta(
         self, index: int, text: str, token_ids: list[int], finish: str | None, stop_reason: int | str | None
@@ -345,6 +395,7 @@ class CollectingResponse(Response):
         choices = []
         for i in range(len(self._texts)):
             text = "".join(self._texts[i])
+            lp = self._prompt_logprobs[i]
             finish, stop_reason = self._finish_reasons[i]
             choices.append(
                 Choice(
@@ -354,8 +405,10 @@ class CollectingResponse(Response):
                     message={"role": "assistant", "content": text} if chat else None,
                     text=None if chat else text,
                     token_ids=self._ids[i] if keep_ids else None,
+                    logprobs=None if self.logprobs is None else msgspec.Raw(self._take_logprobs(i)),
                     # Completions: each choice's own prompt, where vLLM puts it.
                     prompt_token_ids=prompts[i // n] if keep_ids and not chat else None,
+                    prompt_logprobs=None if chat or lp is None else msgspec.Raw(lp),
                 )
             )
         return full_body(
@@ -367,6 +420,7 @@ class CollectingResponse(Response):
             self.prompt_tokens,
             self.completion_tokens,
             self.prompt_token_ids if keep_ids and len(prompts) == 1 else None,
+            self._prompt_logprobs[0] if chat else None,  # chat: the response's, as vLLM puts it
         )
 
     def fail(self, status: int, message: str) -> None:

@@ -82,10 +82,6 @@ def _false(value: Any, _: Any) -> bool:
     return value is None or value is False
 
 
-def _zero(value: Any, _: Any) -> bool:
-    return value is None or value == 0
-
-
 def _empty(value: Any, _: Any) -> bool:
     return not value  # None, [] or {}
 
@@ -98,15 +94,6 @@ UNSUPPORTED_FIELDS: dict[str, Unsupported] = {
         "the best n of n samples are all n: what n does",
         "; vLLM's V1 engine removed best_of as well: ask for n samples and rank them yourself",
     ),
-    "echo": Unsupported("false", _false, "false leaves the prompt out of the completion, as the server does"),
-    "logprobs": Unsupported(
-        "null, or false in chat",
-        _false,
-        "chat: false asks for none; completions: an integer, and even 0 asks for the sampled tokens' own "
-        "logprobs, so only null",
-    ),
-    "top_logprobs": Unsupported("null or 0", _zero, "0 alternatives per token (and > 0 needs logprobs)"),
-    "prompt_logprobs": Unsupported("null", _none, "even 0 asks for every prompt token's own logprob"),
     "suffix": Unsupported(
         'null or ""',
         _empty,
@@ -262,6 +249,11 @@ class OutputOptions:
     stop: tuple[str, ...]
     include_stop_str_in_output: bool
     skip_special_tokens: bool
+    # Alternatives per token the response shows (chat top_logprobs, completions logprobs); None: the
+    # response has no logprobs (``logprobs_count``).
+    logprobs: int | None = None
+    echo: bool = False  # completions: each choice's text (and logprobs) starts with its prompt's
+    prompt_logprobs: int | None = None  # vLLM's field: alternatives per prompt token (non-streamed)
 
 
 def resolve_model(requested: str | None, names: tuple[str, ...]) -> str:
@@ -277,8 +269,9 @@ def _in_range(value: float | None, param: str, low: float, high: float) -> None:
         raise ApiError(400, f"{param} must be in [{low:g}, {high:g}], got {value:g}", param=param)
 
 
-def check_ranges(req: _Sampling) -> None:
-    """OpenAI's (and vLLM's) ranges of the parameters not checked where their effect is built."""
+def check_ranges(req: _Sampling, max_logprobs: int = MAX_LOGPROBS) -> None:
+    """OpenAI's (and vLLM's) ranges of the parameters not checked where their effect is built;
+    ``max_logprobs``: ``--max-logprobs``, the cap of every logprobs count."""
     _in_range(req.presence_penalty, "presence_penalty", -2.0, 2.0)
     _in_range(req.frequency_penalty, "frequency_penalty", -2.0, 2.0)
     rp = req.repetition_penalty
@@ -300,7 +293,11 @@ def check_ranges(req: _Sampling) -> None:
                 )
     check_token_lists(req)
     if req.prompt_logprobs is not None:
-        _in_range(req.prompt_logprobs, "prompt_logprobs", 0, MAX_LOGPROBS)
+        _in_range(req.prompt_logprobs, "prompt_logprobs", 0, max_logprobs)
+        if req.stream:  # vLLM's rule and words
+            raise ApiError(
+                400, "`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs"
+            )
     if req.truncate_prompt_tokens is not None and req.truncate_prompt_tokens < -1:
         raise ApiError(
             400,
@@ -309,7 +306,7 @@ def check_ranges(req: _Sampling) -> None:
         )
     if isinstance(req, ChatCompletionRequest):
         if req.top_logprobs is not None:
-            _in_range(req.top_logprobs, "top_logprobs", 0, MAX_LOGPROBS)
+            _in_range(req.top_logprobs, "top_logprobs", 0, max_logprobs)
             if req.top_logprobs > 0 and not req.logprobs:
                 raise ApiError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
         kwargs = req.chat_template_kwargs
@@ -328,7 +325,7 @@ def check_ranges(req: _Sampling) -> None:
             )
     elif isinstance(req, CompletionRequest):
         if req.logprobs is not None:
-            _in_range(req.logprobs, "logprobs", 0, MAX_LOGPROBS)
+            _in_range(req.logprobs, "logprobs", 0, max_logprobs)
         if req.best_of is not None and req.best_of < req.n:
             raise ApiError(400, f"best_of must be at least n={req.n}, got {req.best_of}", param="best_of")
 
@@ -450,7 +447,7 @@ def output_options(req: _Sampling, served: ModelConfig, limits: RequestConfig) -
     model = resolve_model(req.model, served.model_names)
     if not 1 <= req.n <= limits.max_n:
         raise ApiError(400, f"n must be between 1 and {limits.max_n}, got {req.n}", param="n")
-    check_ranges(req)
+    check_ranges(req, limits.max_logprobs)
     refuse_unsupported(req)
     check_prompt_options(req, served, limits)
     stop = _stop_strings(req.stop)
@@ -472,7 +469,30 @@ def output_options(req: _Sampling, served: ModelConfig, limits: RequestConfig) -
         stop=stop,
         include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens,
+        logprobs=logprobs_count(req),
+        echo=isinstance(req, CompletionRequest) and req.echo,
+        prompt_logprobs=req.prompt_logprobs,
     )
+
+
+def logprobs_count(req: _Sampling) -> int | None:
+    """How many alternatives per output token a request asks for, None for no logprobs at all. Chat:
+    ``logprobs: true`` with ``top_logprobs`` of them (0 if unset); completions: ``logprobs`` itself
+    (0 asks for the sampled tokens' own logprobs)."""
+    if isinstance(req, ChatCompletionRequest):
+        return (req.top_logprobs or 0) if req.logprobs else None
+    if isinstance(req, CompletionRequest):
+        return req.logprobs
+    return None
+
+
+def prompt_logprobs_count(req: _Sampling) -> int | None:
+    """Alternatives per prompt token the engine must send: vLLM's ``prompt_logprobs``, and
+    completions' ``echo`` with ``logprobs``, which shows the prompt's logprobs, as many as the
+    output's (the larger of the two when both ask)."""
+    echoed = req.logprobs if isinstance(req, CompletionRequest) and req.echo else None
+    asked = [k for k in (echoed, req.prompt_logprobs) if k is not None]
+    return max(asked) if asked else None
 
 
 def requested_max_tokens(req: ChatCompletionRequest | CompletionRequest) -> int | None:
@@ -542,6 +562,8 @@ def sampling_params(
         min_p=req.min_p or 0.0,
         logit_bias=bias or None,
         allowed_token_ids=list(req.allowed_token_ids) if req.allowed_token_ids else None,
+        logprobs=logprobs_count(req),  # chat: logprobs with top_logprobs; completions: logprobs
+        prompt_logprobs=prompt_logprobs_count(req),
         # bad_words are tokenized by the caller (``bad_words_token_ids``), off the event loop
     )
 

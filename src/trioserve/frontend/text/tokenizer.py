@@ -225,6 +225,14 @@ class Tokenizer:
             template = self._template = compile_chat_template(source)
         return template
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's own bytes (logprobs' ``bytes``): a byte-level BPE token's raw bytes, which may
+        be part of a UTF-8 character; otherwise its text decoded alone, special tokens included."""
+        if self._byte_tables is not None:
+            table = self._byte_tables.token_bytes
+            return table[token_id] if 0 <= token_id < len(table) else b""
+        return self.decode([token_id], skip_special_tokens=False).encode()
+
     def detokenizer(self, skip_special_tokens: bool = True, *, prompt_ids: Sequence[int] = ()) -> Detokenizer:
         """A fresh per-request detokenizer; ``prompt_ids`` give leading-space context (only
         decoders whose output depends on context need it; byte-level BPE does not)."""
