@@ -472,7 +472,7 @@ async def test_curl_no_buffer(server: ServerProcess) -> None:
         (COMPLETIONS, {"prompt": "x", "logprobs": 21}, "logprobs"),
         (COMPLETIONS, {"prompt": "x", "stop": ["x" * 1025]}, "stop"),
     ],
-    ids=["unsupported", "out-of-range", "unknown", "no-content", "completions-logprobs-over-max", "stop-too-long"],
+    ids=["unsupported", "out-of-range", "unknown", "no-content", "logprobs-over-max", "stop-too-long"],
 )
 async def test_refusals_name_the_parameter(
     server: ServerProcess, path: str, body: dict[str, Any], param: str, path_kind: str
