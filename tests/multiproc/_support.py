@@ -10,16 +10,31 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import openai
 import trio
 
 CHAT_MESSAGES: list[dict[str, Any]] = [
     {"role": "system", "content": "You are a test."},
     {"role": "user", "content": "Count to three, please."},
 ]
+
+
+@asynccontextmanager
+async def sdk_client(
+    url: str, timeout: float = 60.0, api_key: str = "x"
+) -> AsyncIterator[openai.AsyncOpenAI]:
+    """The unmodified ``openai`` SDK against ``url``. No retries: a retried 5xx would hide a bug."""
+    sdk = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0, timeout=timeout)
+    try:
+        yield sdk
+    finally:
+        await sdk.close()
 
 
 # --------------------------------------------------------------------------------------------------

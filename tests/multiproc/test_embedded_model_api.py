@@ -16,9 +16,10 @@ import trio
 from trioserve.frontend.text.tokenizer import load_tokenizer
 from trioserve.models.embedded_model import INSTALL_COMMAND
 
+from ._support import sdk_client
 from .conftest import ServerProcess
 from .test_embedded_model_convert import converted
-from .test_model_engine import start_model_server
+from .test_model_engine import running_model_server
 
 __all__ = ["converted"]
 
@@ -39,24 +40,16 @@ def server(
     converted: tuple[Path, list[str]], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
     folder, _ = converted
-    proc = start_model_server(
-        folder, tmp_path_factory.mktemp("logs"), "embedded_api", "--max-model-len", "512"
-    )
-    try:
-        proc.wait_ready(TIMEOUT)
-        yield proc
-    finally:
-        proc.stop()
-    assert not proc.problems, proc.problems
+    with running_model_server(
+        folder, tmp_path_factory.mktemp("logs"), "embedded_api", "--max-model-len", "512", timeout=TIMEOUT
+    ) as server:
+        yield server
 
 
 @pytest.fixture
 async def client(server: ServerProcess) -> AsyncIterator[openai.AsyncOpenAI]:
-    sdk = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=TIMEOUT)
-    try:
+    async with sdk_client(server.url, timeout=TIMEOUT) as sdk:
         yield sdk
-    finally:
-        await sdk.close()
 
 
 async def test_logit_bias_and_logprobs_on_the_real_answer(

@@ -14,8 +14,9 @@ import torch
 import trio
 from transformers import AutoModelForCausalLM
 
+from ._support import sdk_client
 from .conftest import ServerProcess
-from .test_model_engine import start_model_server, tiny_model
+from .test_model_engine import running_model_server, tiny_model
 
 __all__ = ["tiny_model"]
 
@@ -26,22 +27,16 @@ TOL = 1e-3
 
 @pytest.fixture(scope="module")
 def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    proc = start_model_server(tiny_model, tmp_path_factory.mktemp("logs"), "logprobs_server")
-    try:
-        proc.wait_ready(TIMEOUT)
-        yield proc
-    finally:
-        proc.stop()
-    assert not proc.problems, proc.problems
+    with running_model_server(
+        tiny_model, tmp_path_factory.mktemp("logs"), "logprobs_server", timeout=TIMEOUT
+    ) as server:
+        yield server
 
 
 @pytest.fixture
 async def client(server: ServerProcess) -> AsyncIterator[openai.AsyncOpenAI]:
-    sdk = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60.0)
-    try:
+    async with sdk_client(server.url, timeout=60.0) as sdk:
         yield sdk
-    finally:
-        await sdk.close()
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,20 @@ def start_model_server(model: Path, log_dir: Path, name: str, *flags: str) -> Se
     )
     server.start()
     return server
+
+
+@contextmanager
+def running_model_server(
+    model: Path, log_dir: Path, name: str, *flags: str, timeout: float = 60.0
+) -> Iterator[ServerProcess]:
+    """``start_model_server``, ready; stopped at the end, which checks its shutdown left nothing."""
+    server = start_model_server(model, log_dir, name, *flags)
+    try:
+        server.wait_ready(timeout)
+        yield server
+    finally:
+        server.stop()
+    assert not server.problems, server.problems
 
 
 @pytest.fixture(scope="module")

@@ -9,18 +9,14 @@ import openai
 import pytest
 import trio
 
-from ._support import CHAT_MESSAGES, request_json
+from ._support import CHAT_MESSAGES, request_json, sdk_client
 from .conftest import ALIAS, MAX_MODEL_LEN, MODEL, ServerProcess
 
 
 @pytest.fixture
 async def client(server: ServerProcess) -> AsyncIterator[openai.AsyncOpenAI]:
-    # No retries: a retried 5xx would hide a server bug.
-    sdk = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=30.0)
-    try:
+    async with sdk_client(server.url, timeout=30.0) as sdk:
         yield sdk
-    finally:
-        await sdk.close()
 
 
 async def tokenize_count(server: ServerProcess, payload: dict[str, Any]) -> int:

@@ -16,8 +16,9 @@ import trio
 
 from trioserve.frontend.text.tokenizer import load_tokenizer
 
+from ._support import sdk_client
 from .conftest import ServerProcess
-from .test_model_engine import start_model_server, tiny_model
+from .test_model_engine import running_model_server, tiny_model
 
 __all__ = ["tiny_model"]
 
@@ -28,22 +29,16 @@ IM_END = "<|im_end|>"
 @pytest.fixture(scope="module")
 def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     logs = tmp_path_factory.mktemp("logs")
-    proc = start_model_server(tiny_model, logs, "prompts_server", "--trust-request-chat-template")
-    try:
-        proc.wait_ready(TIMEOUT)
-        yield proc
-    finally:
-        proc.stop()
-    assert not proc.problems, proc.problems
+    with running_model_server(
+        tiny_model, logs, "prompts_server", "--trust-request-chat-template", timeout=TIMEOUT
+    ) as server:
+        yield server
 
 
 @pytest.fixture
 async def client(server: ServerProcess) -> AsyncIterator[openai.AsyncOpenAI]:
-    sdk = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60.0)
-    try:
+    async with sdk_client(server.url, timeout=60.0) as sdk:
         yield sdk
-    finally:
-        await sdk.close()
 
 
 def _extra(obj: Any) -> dict[str, Any]:

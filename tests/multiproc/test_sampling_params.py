@@ -20,8 +20,9 @@ import trio
 from trioserve.frontend.request.validate import bad_words_token_ids
 from trioserve.frontend.text.tokenizer import load_tokenizer
 
+from ._support import sdk_client
 from .conftest import MODEL, ServerProcess
-from .test_model_engine import start_model_server, tiny_model
+from .test_model_engine import running_model_server, tiny_model
 
 __all__ = ["tiny_model"]  # the module fixture, shared with test_model_engine.py
 
@@ -31,22 +32,16 @@ PROMPT = "one two three one two three one two three"
 
 @pytest.fixture(scope="module")
 def sampling_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    server = start_model_server(tiny_model, tmp_path_factory.mktemp("logs"), "sampling_server")
-    try:
-        server.wait_ready(TIMEOUT)
+    with running_model_server(
+        tiny_model, tmp_path_factory.mktemp("logs"), "sampling_server", timeout=TIMEOUT
+    ) as server:
         yield server
-    finally:
-        server.stop()
-    assert not server.problems, server.problems
 
 
 @pytest.fixture
 async def client(sampling_server: ServerProcess) -> AsyncIterator[openai.AsyncOpenAI]:
-    sdk = openai.AsyncOpenAI(base_url=f"{sampling_server.url}/v1", api_key="x", max_retries=0, timeout=60.0)
-    try:
+    async with sdk_client(sampling_server.url, timeout=60.0) as sdk:
         yield sdk
-    finally:
-        await sdk.close()
 
 
 async def tokens(client: openai.AsyncOpenAI, max_tokens: int = 12, **kw: Any) -> list[int]:

@@ -30,6 +30,7 @@ from transformers.generation.logits_process import (
 )
 
 from tests.unit.test_model_runner import VOCAB, Engine, prompt, tiny_model
+from tests.unit.test_worker_executor import BIG, WORST, worst_case_step_frame
 from trioserve.config import ModelConfig, RequestConfig
 from trioserve.frontend.request.errors import ApiError
 from trioserve.frontend.request.openai_schema import ChatCompletionRequest, CompletionRequest
@@ -50,8 +51,7 @@ from trioserve.protocol.messages import (
     AddRequest,
     SamplingParams,
 )
-from trioserve.protocol.step import NewRequestData, SchedulerOutput, step_slot_bytes
-from trioserve.protocol.worker_messages import WorkerStep
+from trioserve.protocol.step import step_slot_bytes
 from trioserve.worker import sampler as sampler_module
 from trioserve.worker.sampler import RequestProcessors, Sampler, SamplingRow
 
@@ -587,47 +587,20 @@ def test_sampling_params_round_trip_and_old_peers_still_decode() -> None:
 
 
 def test_worst_case_step_with_every_list_at_its_cap_fits_the_slot() -> None:
-    max_tokens, max_seqs, max_len, block = 2048, 256, 8192, 16
-    tokens_each = max_tokens // max_seqs
-    big = 2**31 - 1  # 5 bytes in msgpack
     sampling = SamplingParams(
-        max_tokens=max_len,
+        max_tokens=WORST[2],
         temperature=0.7,
         top_p=0.9,
         top_k=50,
         seed=2**62,
-        stop_token_ids=[big] * MAX_STOP_TOKEN_IDS,
-        min_tokens=big,
+        stop_token_ids=[BIG] * MAX_STOP_TOKEN_IDS,
+        min_tokens=BIG,
         presence_penalty=-1.123456789,
         frequency_penalty=1.987654321,
         repetition_penalty=1.000001,
         min_p=0.123456789,
-        logit_bias={big - i: -99.123456789 for i in range(MAX_LOGIT_BIAS_ENTRIES)},
-        allowed_token_ids=[big] * MAX_ALLOWED_TOKEN_IDS,
-        bad_words_token_ids=[[big] * (MAX_BAD_WORDS_TOKENS // MAX_BAD_WORDS)] * MAX_BAD_WORDS,
+        logit_bias={BIG - i: -99.123456789 for i in range(MAX_LOGIT_BIAS_ENTRIES)},
+        allowed_token_ids=[BIG] * MAX_ALLOWED_TOKEN_IDS,
+        bad_words_token_ids=[[BIG] * (MAX_BAD_WORDS_TOKENS // MAX_BAD_WORDS)] * MAX_BAD_WORDS,
     )
-    new = [
-        NewRequestData(
-            request_id=f"chatcmpl-{i:024x}-{i}",
-            token_ids=[big] * tokens_each,
-            num_computed_tokens=max_len - tokens_each,
-            block_ids=[big] * (max_len // block),
-            sampling=sampling,
-            samples=True,
-            num_prompt_tokens=max_len - tokens_each,
-            eos_token_id=151645,
-        )
-        for i in range(max_seqs)
-    ]
-    rids = [n.request_id for n in new]
-    step = SchedulerOutput(
-        step=2**40,
-        new_requests=new,
-        running_requests=[],
-        num_scheduled_tokens={rid: tokens_each for rid in rids},
-        total_num_scheduled_tokens=max_tokens,
-        preempted_request_ids=[],
-        finished_request_ids=rids,
-    )
-    frame = msgspec.msgpack.encode(WorkerStep(step))
-    assert len(frame) <= step_slot_bytes(max_tokens, max_seqs, max_len, block)
+    assert len(worst_case_step_frame(sampling)) <= step_slot_bytes(*WORST)

@@ -16,24 +16,22 @@ from trioserve.protocol.ring_layout import RingHandle
 from trioserve.protocol.step import NewRequestData, SchedulerOutput, step_slot_bytes
 from trioserve.protocol.worker_messages import WorkerLaunch, WorkerStep
 
+# The limits a worst-case step is built at: max_num_batched_tokens, max_num_seqs, max_model_len, block.
+WORST = (2048, 256, 8192, 16)
+BIG = 2**31 - 1  # 5 bytes in msgpack
 
-def test_worst_case_step_fits_the_slot() -> None:
-    max_tokens, max_seqs, max_len, block = 2048, 256, 8192, 16
+
+def worst_case_step_frame(sampling: SamplingParams) -> bytes:
+    """One encoded step at ``WORST``: every request new, with the longest ids, whole block tables of
+    big ids, ``sampling`` each, and every request finished in the same step."""
+    max_tokens, max_seqs, max_len, block = WORST
     tokens_each = max_tokens // max_seqs
-    sampling = SamplingParams(
-        max_tokens=max_len,
-        temperature=0.7,
-        top_p=0.9,
-        top_k=50,
-        seed=2**62,
-        stop_token_ids=[2**31 - 1] * MAX_STOP_TOKEN_IDS,
-    )
     new = [
         NewRequestData(
             request_id=f"chatcmpl-{i:024x}-{i}",  # as long as the API server makes them
-            token_ids=[2**31 - 1] * tokens_each,  # 5 bytes each in msgpack
+            token_ids=[BIG] * tokens_each,
             num_computed_tokens=max_len - tokens_each,
-            block_ids=[2**31 - 1] * (max_len // block),
+            block_ids=[BIG] * (max_len // block),
             sampling=sampling,
             samples=True,
             num_prompt_tokens=max_len - tokens_each,
@@ -51,8 +49,19 @@ def test_worst_case_step_fits_the_slot() -> None:
         preempted_request_ids=[],
         finished_request_ids=ids,
     )
-    frame = msgspec.msgpack.encode(WorkerStep(step))
-    assert len(frame) <= step_slot_bytes(max_tokens, max_seqs, max_len, block)
+    return msgspec.msgpack.encode(WorkerStep(step))
+
+
+def test_worst_case_step_fits_the_slot() -> None:
+    sampling = SamplingParams(
+        max_tokens=WORST[2],
+        temperature=0.7,
+        top_p=0.9,
+        top_k=50,
+        seed=2**62,
+        stop_token_ids=[BIG] * MAX_STOP_TOKEN_IDS,
+    )
+    assert len(worst_case_step_frame(sampling)) <= step_slot_bytes(*WORST)
 
 
 # ---- the worker's launch value and the engine-core process's configuration --------------------------
