@@ -17,13 +17,16 @@ import os
 import sys
 import typing
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 import msgspec
 
 from trioserve.config import (
+    SECRETS_ENV,
     AccessConfig,
     AdmissionConfig,
+    DispatchConfig,
     EngineConfig,
     EngineProcessConfig,
     HttpConfig,
@@ -36,7 +39,9 @@ from trioserve.config import (
     WorkerConfig,
     decode_engine_process,
     override,
+    with_secrets,
 )
+from trioserve.transport.security import SECRET_ENV
 
 
 class _Parser(argparse.ArgumentParser):
@@ -184,7 +189,25 @@ def _frontend_flags(p: argparse.ArgumentParser) -> None:
     )
     g.add("--slow-client-max-tokens", "slow_client_max_tokens", type=int)
     _access_flags(p)
+    g = _Group(DispatchConfig, p)
+    g.add(
+        "--dispatch",
+        "dispatch",
+        "with several engine cores (-dp), which one each request goes to: dplb: vLLM's score "
+        "(the coordinator's waiting + running, this API server's own in-flight requests, a KV-usage "
+        "penalty); round-robin: each in turn; prefix: the engine already caching the longest prefix of "
+        "the prompt (its KV events, through the coordinator), unless much more loaded than dplb's pick",
+        choices=True,
+    )
     g = _Group(SupervisorConfig, p)
+    g.add(
+        "--api-server-count",
+        "api_server_count",
+        "API server processes sharing the listening socket (SO_REUSEPORT, least-loaded accept); more "
+        "than one, or -dp above 1, starts a supervisor process",
+        shown="the data-parallel size",
+        type=int,
+    )
     g.add("--shutdown-timeout", "shutdown_timeout", type=float)
     g.add("--engine-ready-timeout", "engine_ready_timeout", type=float)
     g.add(
@@ -259,11 +282,43 @@ def _engine_flags(p: argparse.ArgumentParser, *, serve: bool) -> None:
     g.add(
         "--handshake-address",
         "handshake_address",
-        "ZMQ address engine cores join",
+        "ZMQ address engine cores join; tcp://IP:PORT for engines on other hosts (docs/remote_engines.md: "
+        "the API side then also listens on PORT+1 upwards, and needs --engine-secret)",
         shown="the API server's own",
+    )
+    g.add(
+        "--engine-secret",
+        "engine_secret",
+        f"shared secret that authenticates and encrypts (ZMQ CURVE) every TCP socket between API "
+        f"servers and engines; {SECRET_ENV} gives it when the flag is absent (keeps it out of ps)",
+        shown="none",
     )
     if not serve:
         g.add("--engine-index", "engine_index", type=int)
+        g.add(
+            "--headless",
+            "headless",
+            "start this host's engine ranks (--data-parallel-size-local from --data-parallel-start-rank) "
+            "as child processes, restarting any that dies, for API servers on another host",
+            action="store_true",
+        )
+        g.add(
+            "--data-parallel-start-rank", "data_parallel_start_rank", "--headless: its first rank", type=int
+        )
+    g.add(
+        "--data-parallel-size-local",
+        "data_parallel_size_local",
+        "engine ranks this host starts (serve: ranks 0..K-1, the rest join over TCP from other hosts)",
+        shown="all of them",
+        type=int,
+    )
+    g.add(
+        "--data-parallel-size",
+        "data_parallel_size",
+        "engine cores, each with its own workers and KV cache; a DP coordinator publishes their loads",
+        aliases=("-dp",),
+        type=int,
+    )
     g.add("--max-num-seqs", "max_num_seqs", type=int)
     g.add(
         "--max-num-batched-tokens",
@@ -286,7 +341,20 @@ def _engine_flags(p: argparse.ArgumentParser, *, serve: bool) -> None:
     g.add("--device", "device", "model: cpu, cuda, cuda:N (auto: cuda when present)")
     g.add("--dtype", "dtype", "model weights and KV cache", choices=True)
     g.add("--kv-cache-gib", "kv_cache_gib", "model: KV-cache memory", type=float)
-    g.add("--worker-threads", "worker_threads", "model: torch CPU threads (0: cores - 1)", type=int)
+    g.add(
+        "--worker-threads",
+        "worker_threads",
+        "model: torch CPU threads per worker (0: cores - 1, shared by the -tp workers)",
+        type=int,
+    )
+    g.add(
+        "--tensor-parallel-size",
+        "tensor_parallel_size",
+        "model: workers per engine core, the weights sharded across them (torch.distributed: gloo on "
+        "the CPU, NCCL on CUDA)",
+        aliases=("-tp",),
+        type=int,
+    )
     g.add(
         "--worker-step-timeout",
         "worker_step_timeout",
@@ -328,8 +396,13 @@ def build_parser() -> argparse.ArgumentParser:
         _log_flag(core)
         core.add_argument("--config-json", default=None, help=argparse.SUPPRESS)  # from serve
 
-    worker = sub.add_parser("worker", help="a worker process (started by an engine core)")
-    worker.add_argument("--launch", required=True, help="the worker's launch value (JSON)")
+    for name, help_text in (
+        ("worker", "a worker process (started by an engine core)"),
+        ("api-server", "an API server under the supervisor (started by serve)"),
+        ("dp-coordinator", "the data-parallel coordinator (started by serve -dp N)"),
+    ):
+        child = sub.add_parser(name, help=help_text)
+        child.add_argument("--launch", required=True, help="the process's launch value (JSON)")
     return parser
 
 
@@ -340,13 +413,20 @@ def _settings(ns: argparse.Namespace) -> dict[str, Any]:
     return values
 
 
+def _secret_from_env(values: dict[str, Any], environ: Mapping[str, str] | None) -> None:
+    secret = (environ or {}).get(SECRET_ENV)
+    if secret and "engine_secret" not in values:
+        values["engine_secret"] = secret
+
+
 def serve_config(ns: argparse.Namespace, environ: Mapping[str, str] | None = None) -> ServeConfig:
-    """``environ``: the process environment (``main`` passes it), for the API key when the flag is
-    absent; components never read the environment themselves."""
+    """``environ``: the process environment (``main`` passes it), for the API key and the engine
+    secret when their flags are absent; components never read the environment themselves."""
     values = _settings(ns)
     env_key = (environ or {}).get(API_KEY_ENV)
     if env_key and "api_key" not in values:
         values["api_key"] = (env_key,)
+    _secret_from_env(values, environ)
     if "chat_template" in values:
         # The tree holds the template's text, checked here: one that does not compile is a bad flag.
         from trioserve.frontend.text.chat_template import compile_chat_template, read_chat_template
@@ -363,14 +443,18 @@ def serve_config(ns: argparse.Namespace, environ: Mapping[str, str] | None = Non
     return config
 
 
-def engine_process_config(ns: argparse.Namespace) -> EngineProcessConfig:
+def engine_process_config(
+    ns: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> EngineProcessConfig:
+    """``environ``: for the engine secret (``SECRET_ENV``, or the secrets a parent passed down)."""
     values = _settings(ns)
     if ns.config_json is not None:
         if values:
             raise ValueError(
                 f"--config-json is the whole configuration; not also {_flag(next(iter(values)))}"
             )
-        return decode_engine_process(ns.config_json)
+        return with_secrets(decode_engine_process(ns.config_json), (environ or {}).get(SECRETS_ENV))
+    _secret_from_env(values, environ)
     if ns.command == "mock-engine":
         values.setdefault("kind", "mock")
     # Started by hand, an engine core without --model runs the reference executor (as it always has).
@@ -378,9 +462,26 @@ def engine_process_config(ns: argparse.Namespace) -> EngineProcessConfig:
     config = override(EngineProcessConfig(), **values)
     if not config.engine.handshake_address:
         raise ValueError("the following arguments are required: --handshake-address")
+    from trioserve.transport.security import configure_security, require_secret_for
+
+    configure_security(config.engine.engine_secret)
+    require_secret_for(config.engine.handshake_address)
     if config.engine.kind == "model" and config.model.model is None:
         raise ValueError("--engine model needs --model (a Hugging Face folder)")
+    check_tensor_parallel(config.engine.kind, config.model, config.worker)
     return config
+
+
+def check_tensor_parallel(kind: str, model: ModelConfig, worker: WorkerConfig) -> None:
+    """Refuses (``ValueError``) a ``-tp`` the model's heads cannot be split into (``models/shard_plan``),
+    before anything starts. The embedded default, converted later, is checked by its workers."""
+    from trioserve.models.shard_plan import ShardPlan
+
+    folder = model.model
+    if kind != "model" or worker.tensor_parallel_size == 1 or folder is None:
+        return
+    if (Path(folder) / "config.json").is_file():  # a folder that is not a model fails where it always has
+        ShardPlan.from_model_dir(folder, worker.tensor_parallel_size)
 
 
 def _flag(setting: str) -> str:
@@ -406,14 +507,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         config: ServeConfig = _fail(parser, lambda: serve_config(ns, os.environ))
         if config.engine.kind == "external" and not config.engine.handshake_address:
             parser.error("--engine external needs --handshake-address")
+        _fail(parser, lambda: check_tensor_parallel(config.engine.kind, config.model, config.worker))
         from trioserve.launch.serve import run_serve
 
         return run_serve(config)
     if ns.command in ("engine-core", "mock-engine"):
-        process: EngineProcessConfig = _fail(parser, lambda: engine_process_config(ns))
+        process: EngineProcessConfig = _fail(parser, lambda: engine_process_config(ns, os.environ))
+        if process.engine.headless:
+            from trioserve.launch.headless import headless_ranks, run_headless
+
+            _fail(parser, lambda: headless_ranks(process))
+            return run_headless(process)
         from trioserve.engine.main import run_engine_core
 
         return run_engine_core(process)
+    if ns.command == "api-server":
+        from trioserve.launch.api_server_main import run_api_server
+
+        return run_api_server(ns.launch)
+    if ns.command == "dp-coordinator":
+        from trioserve.coordinator.main import CoordinatorLaunch, run_coordinator
+
+        return run_coordinator(msgspec.json.decode(ns.launch, type=CoordinatorLaunch))
     from trioserve.worker.main import run_worker
 
     return run_worker(ns.launch)

@@ -25,6 +25,7 @@ EngineKind = Literal["model", "mock", "reference", "external"]
 EngineOutputPolicy = Literal["fold", "block"]  # when the engine's output HWM is reached: fold, or stall
 OutputQueuePolicy = Literal["coalesce", "block", "unbounded"]
 PolicyKind = Literal["merge", "queue", "stall", "abort-slow-client"]
+DispatchPolicyName = Literal["dplb", "round-robin", "prefix"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 
 S = TypeVar("S", bound=msgspec.Struct)
@@ -175,9 +176,19 @@ class AccessConfig(_Section, frozen=True):
             raise ValueError("api_key: an API key must not be empty")
 
 
-class SupervisorConfig(_Section, frozen=True):
-    """``serve``'s process tree: shutdown, and the engine core it starts and restarts."""
+class DispatchConfig(_Section, frozen=True):
+    """Which engine an API server sends each request to, with several (``frontend/dispatch.py``)."""
 
+    dispatch: DispatchPolicyName = "dplb"
+
+
+class SupervisorConfig(_Section, frozen=True):
+    """``serve``'s process tree: how many API servers, shutdown, and the engine cores it starts and
+    restarts."""
+
+    # API server processes sharing the listening socket; 0: the data-parallel size (vLLM's default).
+    # More than one starts a supervisor process that serves no HTTP itself (docs/processes.md).
+    api_server_count: NonNegative = 0
     shutdown_timeout: NonNegativeFloat = 5.0
     engine_ready_timeout: PositiveFloat = 120.0
     # When the engine core dies: restart it with backoff ("always"), or drain and exit 1 ("never").
@@ -196,6 +207,15 @@ class EngineConfig(_Section, frozen=True):
     kind: EngineKind = "model"  # --engine
     handshake_address: str | None = None  # where engine cores join; None: the API server's own
     engine_index: NonNegative = 0
+    data_parallel_size: Positive = 1  # engine cores, each with its own workers and KV ledger
+    # Of those, how many this host starts (serve: ranks 0..K-1; engine-core --headless: from
+    # data_parallel_start_rank); None: all of them. The others join over TCP from other hosts.
+    data_parallel_size_local: NonNegative | None = None
+    data_parallel_start_rank: NonNegative = 0
+    headless: bool = False  # engine-core: start this host's ranks as child processes, and restart them
+    # Authenticates and encrypts every tcp:// socket between API servers and engines (CURVE); never
+    # serialized into a child's command line (``without_secrets``).
+    engine_secret: str | None = None
     max_num_seqs: Positive = 1024
     max_num_batched_tokens: Positive = 2048  # per step: bounds how long a prefill chunk stalls decodes
     block_size: Positive = 16
@@ -213,6 +233,7 @@ class WorkerConfig(_Section, frozen=True):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on cuda, fp32 on cpu
     kv_cache_gib: PositiveFloat = 2.0
     worker_threads: NonNegative = 0  # torch CPU threads; 0: all cores but one
+    tensor_parallel_size: Positive = 1  # workers per engine core, each holding a shard of the weights
     worker_step_timeout: PositiveFloat = 300.0  # a step's hard limit; also how long an engine may be silent
 
 
@@ -246,6 +267,7 @@ class FrontendConfig(_Section, frozen=True):
     request: RequestConfig = RequestConfig()
     streams: StreamsConfig = StreamsConfig()
     access: AccessConfig = AccessConfig()
+    dispatch: DispatchConfig = DispatchConfig()
 
 
 class ServeConfig(_Section, frozen=True):
@@ -257,9 +279,21 @@ class ServeConfig(_Section, frozen=True):
     mock: MockConfig = MockConfig()
     log_level: LogLevel = "info"
 
-    def engine_process(self, handshake_address: str) -> EngineProcessConfig:
-        """The engine-core process's part, joining at ``handshake_address``."""
-        engine = msgspec.structs.replace(self.engine, handshake_address=handshake_address)
+    @property
+    def api_server_count(self) -> int:
+        """API server processes: ``--api-server-count``, or the data-parallel size when that is 0."""
+        return self.supervisor.api_server_count or self.engine.data_parallel_size
+
+    @property
+    def supervised(self) -> bool:
+        """Whether ``serve`` starts a supervisor process (several API servers or engine cores)."""
+        return self.api_server_count > 1 or self.engine.data_parallel_size > 1
+
+    def engine_process(self, handshake_address: str, engine_index: int = 0) -> EngineProcessConfig:
+        """The engine-core process's part: engine ``engine_index``, joining at ``handshake_address``."""
+        engine = msgspec.structs.replace(
+            self.engine, handshake_address=handshake_address, engine_index=engine_index
+        )
         return EngineProcessConfig(
             model=self.model, engine=engine, worker=self.worker, mock=self.mock, log_level=self.log_level
         )
@@ -315,3 +349,36 @@ def encode(config: msgspec.Struct) -> str:
 
 def decode_engine_process(text: str) -> EngineProcessConfig:
     return msgspec.json.decode(text, type=EngineProcessConfig)
+
+
+# Settings a child process must not get on its command line (``/proc/PID/cmdline`` is readable by
+# every user of the host); they travel in its environment instead (``SECRETS_ENV``, readable by its
+# user only).
+SECRET_SETTINGS = ("api_key", "engine_secret")
+SECRETS_ENV = "TRIOSERVE_CHILD_SECRETS"
+
+
+def without_secrets(config: S) -> tuple[S, str]:
+    """``config`` with every secret setting at its default, and the secrets as one JSON value."""
+    names = setting_names(type(config))
+    held: dict[str, Any] = {}
+    defaults: dict[str, Any] = {}
+    for name in SECRET_SETTINGS:
+        if name in names:
+            section: Any = config
+            for part in names[name]:
+                section = getattr(section, part)
+            held[name] = getattr(section, name)
+            defaults[name] = getattr(type(section)(), name)
+    return override(config, **defaults), msgspec.json.encode(held).decode()
+
+
+def with_secrets(config: S, secrets: str | None) -> S:
+    """``config`` with the secrets ``without_secrets`` took out (``secrets``: its JSON; None: none)."""
+    if not secrets:
+        return config
+    names = setting_names(type(config))
+    values = {k: v for k, v in msgspec.json.decode(secrets).items() if k in names}
+    if "api_key" in values:
+        values["api_key"] = tuple(values["api_key"])
+    return override(config, **values)

@@ -65,8 +65,9 @@ async def start_stack(
 ) -> Stack:
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     n = next(_ids)
-    addresses = EngineAddresses(f"inproc://hs-{n}", f"inproc://in-{n}", f"inproc://out-{n}")
-    process = override(config.engine_process(addresses.handshake), **engine_overrides)
+    handshake = f"inproc://hs-{n}"
+    addresses = EngineAddresses(handshake, f"inproc://in-{n}", f"inproc://out-{n}")
+    process = override(config.engine_process(handshake), **engine_overrides)
     engine = EngineCore(process.engine, mock_core(process), ctx)
     api = api_server(config, tokenizer, ctx, addresses)
     nursery.start_soon(engine.run)

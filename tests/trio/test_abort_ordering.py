@@ -166,8 +166,8 @@ def sent(client: EngineClient) -> list[tuple[str, str | list[str]]]:
     """Drain what the sender would send, in order, decoded."""
     codec = engine_input_codec()
     out: list[tuple[str, str | list[str]]] = []
-    while (frame := client.next_frame()) is not None:
-        match codec.decode(frame):
+    while (item := client.next_frame()) is not None:
+        match codec.decode(item[1]):
             case AddRequest(request_id=rid):
                 out.append(("add", rid))
             case AbortRequests(request_ids=ids):
@@ -202,7 +202,7 @@ async def test_the_engine_drops_an_add_that_arrives_after_its_abort(
     its queued add, the engine still never runs the add."""
 
     def abort_first(self: EngineClient, request_ids: list[str]) -> None:  # the old fast path
-        self._aborts += request_ids
+        self._aborts.setdefault(0, []).extend(request_ids)
         self._wake.set()
 
     monkeypatch.setattr(EngineClient, "abort", abort_first)

@@ -147,9 +147,9 @@ async def test_a_stopped_idle_engine_is_detected_by_its_missing_heartbeat(
     engine = Freezer()
     wait_for_work = engine_core.wait_for_work
 
-    async def stoppable(work: Waker, pump: OutputPump) -> None:  # where an idle engine loop waits
+    async def stoppable(work: Waker, due: float) -> None:  # where an idle engine loop waits
         await engine.gate()
-        await wait_for_work(work, pump)
+        await wait_for_work(work, due)
 
     monkeypatch.setattr(engine_core, "wait_for_work", stoppable)
     with trio.fail_after(300):

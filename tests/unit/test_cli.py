@@ -25,8 +25,13 @@ def _subparser(name: str) -> argparse.ArgumentParser:
 def test_every_setting_has_one_flag_on_serve() -> None:
     dests = _dests(_subparser("serve"))
     assert len(dests) == len(set(dests)), "a flag defined twice"
-    # Every setting but the engine index (one engine per serve until data parallelism) has a flag.
-    assert set(dests) == set(setting_names(ServeConfig)) - {"engine_index"}
+    # Every setting has a flag but the engine's own rank and the headless launcher's (serve gives each
+    # engine core its rank; --headless and its start rank are engine-core's).
+    assert set(dests) == set(setting_names(ServeConfig)) - {
+        "engine_index",
+        "headless",
+        "data_parallel_start_rank",
+    }
 
 
 @pytest.mark.parametrize("command", ["engine-core", "mock-engine"])
@@ -93,9 +98,9 @@ def test_serve_hands_the_engine_core_one_value() -> None:
     from trioserve.launch.serve import engine_command
 
     config = serve_config(build_parser().parse_args(["serve", "--engine", "mock", "--step-interval-us", "7"]))
-    command = engine_command(config, "ipc:///tmp/hs")
-    assert command[-2] == "engine-core" and command[-1].startswith("--config-json=")
-    ns = build_parser().parse_args(command[-2:])
+    argv = engine_command(config, "ipc:///tmp/hs").argv
+    assert argv[-2] == "engine-core" and argv[-1].startswith("--config-json=")
+    ns = build_parser().parse_args(argv[-2:])
     assert engine_process_config(ns) == config.engine_process("ipc:///tmp/hs")
 
 

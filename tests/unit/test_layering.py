@@ -1,7 +1,8 @@
 """The import rule (design §13, docs/architecture.md): imports only go down.
 
 protocol and config at the bottom; transport, process utilities (runtime) and model assets (models)
-above them; the mock core; then engine, frontend and worker side by side, none importing another;
+above them; the mock core; then engine, frontend, coordinator and worker side by side, none importing
+another;
 launch on top, and the command line above everything. Two checks: every ``trioserve`` import in
 ``src/`` (read from the source, so a lazy import inside a function counts too) goes to a lower layer
 or stays in its own package; and each pure module imports with trio, zmq and torch blocked.
@@ -29,6 +30,7 @@ LAYERS = {
     "mock": 2,
     "engine": 3,
     "frontend": 3,
+    "coordinator": 3,
     "worker": 3,
     "launch": 4,
     "cli": 5,
@@ -52,6 +54,14 @@ PURE = [
     "trioserve.engine.request",
     "trioserve.engine.scheduler",
     "trioserve.engine.step_watch",
+    "trioserve.engine.load_report",
+    "trioserve.coordinator.core",
+    "trioserve.frontend.dispatch",
+    "trioserve.protocol.block_hash",
+    "trioserve.protocol.kv_batch",
+    "trioserve.engine.kv_events",
+    "trioserve.launch.addresses",
+    "trioserve.models.shard_plan",
     "trioserve.mock.core",
     "trioserve.frontend.text.stop_strings",
     "trioserve.frontend.request.admission",

@@ -1,73 +1,25 @@
-"""Chained content hashes of full KV blocks, the keys of the prefix cache.
-
-A block's hash covers its token ids and its parent's hash, so equal hashes mean equal *prefixes*, not
-just equal blocks: block i of two requests can share KV only if blocks 0..i match too. The first block's
-parent is a root hash that covers the request's cache salt, so requests with different salts never
-share a block (and, through the chain, nothing after it either).
-
-Why SHA-256 and not Python's ``hash()`` of a tuple of ints:
-
-- A collision here is silent corruption: a request would attend to another prompt's KV. Python's
-  64-bit tuple hash is not collision resistant (``hash(-1) == hash(-2)``, and colliding prompts can be
-  built on purpose by a client); SHA-256 collisions cannot.
-- ``hash()`` of a ``str`` salt is randomized per process (PYTHONHASHSEED), so hashes would differ between
-  the input pump of one engine and another process that might one day look them up (KV events, a
-  cache-aware router). SHA-256 over a fixed byte encoding is the same in every process and on every run.
-
-Cost, measured on the dev machine: about 1.2 µs per block of 16 tokens, paid once per block (the prompt's
-blocks on the input pump, output blocks as they fill), never per step.
-
-Encoding (unambiguous because every part but the last has a fixed width or a terminator):
-``root = sha256(DOMAIN + 0x00)`` without a salt, ``sha256(DOMAIN + 0x01 + utf8(salt))`` with one;
-``block = sha256(parent (32 bytes) + token ids as little-endian int64)``.
-"""
+"""The prefix cache's chained block hashes: moved to ``protocol/block_hash.py`` (the API server's
+``prefix`` dispatch policy computes the same hashes and may not import the engine). Re-exported here
+so engine code and tests keep importing them from the engine."""
 
 from __future__ import annotations
 
-import hashlib
-import struct
-from collections.abc import Sequence
-from functools import lru_cache
+from trioserve.protocol.block_hash import (
+    BlockHash,
+    block_hashes,
+    block_key,
+    extend_block_hashes,
+    hash_block,
+    prefix_block_keys,
+    root_hash,
+)
 
-BlockHash = bytes  # a 32-byte SHA-256 digest
-
-_DOMAIN = b"trioserve/kv-block/v1"
-
-
-@lru_cache(maxsize=64)
-def root_hash(cache_salt: str | None) -> BlockHash:
-    """The parent hash of a request's first block."""
-    if cache_salt is None:
-        return hashlib.sha256(_DOMAIN + b"\x00").digest()
-    return hashlib.sha256(_DOMAIN + b"\x01" + cache_salt.encode()).digest()
-
-
-@lru_cache(maxsize=16)
-def _packer(num_tokens: int) -> struct.Struct:
-    return struct.Struct(f"<{num_tokens}q")
-
-
-def hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
-    """Hash one full block given its parent's hash (``root_hash(salt)`` for the first block)."""
-    return hashlib.sha256(parent + _packer(len(token_ids)).pack(*token_ids)).digest()
-
-
-def extend_block_hashes(
-    hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, cache_salt: str | None
-) -> None:
-    """Append to ``hashes`` the hashes of every full block of ``token_ids`` it does not cover yet.
-
-    ``hashes`` must hold the hashes of the first ``len(hashes)`` blocks of these same tokens.
-    """
-    num_full = len(token_ids) // block_size
-    parent = hashes[-1] if hashes else root_hash(cache_salt)
-    for i in range(len(hashes), num_full):
-        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size])
-        hashes.append(parent)
-
-
-def block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | None = None) -> list[BlockHash]:
-    """The hashes of every full block of ``token_ids`` (a partial last block has none)."""
-    hashes: list[BlockHash] = []
-    extend_block_hashes(hashes, token_ids, block_size, cache_salt)
-    return hashes
+__all__ = [
+    "BlockHash",
+    "block_hashes",
+    "block_key",
+    "extend_block_hashes",
+    "hash_block",
+    "prefix_block_keys",
+    "root_hash",
+]

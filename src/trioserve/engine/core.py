@@ -56,21 +56,25 @@ from trioserve.config import EngineConfig
 from trioserve.engine.core_api import Core
 from trioserve.engine.executor import ExecutorFailed
 from trioserve.engine.handshake import join_frontends
+from trioserve.engine.kv_events import flush_kv_events
+from trioserve.engine.load_report import LoadReporter
 from trioserve.engine.output_pump import OutputPump
 from trioserve.engine.step_watch import StepWatch
-from trioserve.protocol.codec import ProtocolError, engine_input_codec
+from trioserve.protocol.codec import ProtocolError, engine_input_codec, load_report_codec
 from trioserve.protocol.messages import (
     AbortRequests,
     AddRequest,
+    ClientReset,
     EngineDead,
     EngineInput,
     EngineOutputs,
     EngineReady,
+    EngineStats,
     RequestOutput,
     ShutdownEngine,
 )
 from trioserve.runtime.sync import Waker
-from trioserve.transport.zmq_socket import TrioZmqSocket
+from trioserve.transport.zmq_socket import TrioZmqSocket, wait_any_readable
 
 log = logging.getLogger("trioserve.engine")
 
@@ -102,6 +106,9 @@ class EngineCore:
         self.step_watch = StepWatch(ceiling=step_timeout)
         self._step_started = Waker()
         self._told_overdue = -1  # the number of the last step the beat task reported overdue
+        self._coordinator: TrioZmqSocket | None = None  # the DP coordinator's PULL, with data parallelism
+        self._load_reporter = LoadReporter(config.engine_index)
+        self._load_codec = load_report_codec()
         core.wake_on_failure(self._work.set)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -114,8 +121,9 @@ class EngineCore:
         )
         try:
             async with trio.open_nursery() as nursery:
-                for sock in sockets.inputs:
-                    nursery.start_soon(_input_pump, sock, self._on_input)
+                for sock, monitor in zip(sockets.inputs, sockets.monitors, strict=True):
+                    nursery.start_soon(_input_pump, sock, self._on_input, monitor, sockets.ready_frame)
+                self._coordinator = sockets.coordinator
                 pump = self.pump = OutputPump(sockets.outputs, cfg.engine_output_policy)
                 if pump.policy == "fold":
                     nursery.start_soon(pump.run)
@@ -136,6 +144,13 @@ class EngineCore:
                 self.core.abort(ids)  # the fast path: the core lands it before the step's outputs
             case ShutdownEngine():
                 self._shutdown = True
+            case ClientReset(client_index=client):
+                # A new API server holds this index: what the old one owned has nobody to go to.
+                orphans = self.core.client_requests(client)
+                if orphans:
+                    log.info("API server %d was restarted: dropping its %d requests", client, len(orphans))
+                    self.core.abort(orphans)
+                self._rejected.pop(client, None)
         self._work.set()
 
     async def _busy_loop(self, pump: OutputPump, ready: EngineReady) -> None:
@@ -159,7 +174,11 @@ class EngineCore:
                     await self._send({}, pump)
                     continue
                 await pump.send_stats(core.has_work, self._stats_message)  # idle report, heartbeats
-                await wait_for_work(self._work, pump)  # nothing to compute until a request or an abort
+                due = pump.heartbeat.next_due()
+                if self._coordinator is not None:
+                    self._report_load(core.stats())
+                    due = min(due, self._load_reporter.next_due())
+                await wait_for_work(self._work, due)  # nothing to compute until a request or an abort
                 continue
             watch.start(tokens, trio.current_time())
             self._step_started.set()
@@ -199,6 +218,22 @@ class EngineCore:
             await pump.send(client, EngineOutputs(index, self.step_count, now, outs, stats))
         others = [c for c in range(pump.num_clients) if c not in per_client] if recovered else []
         await pump.send_stats(core.has_work, self._stats_message, also=others)
+        if self._coordinator is not None:
+            self._report_load(stats)
+
+    def _report_load(self, stats: EngineStats) -> None:
+        """Tell the DP coordinator this engine's load when ``LoadReporter`` says so (never waits: a
+        full socket skips a report, and a later one says the same and more)."""
+        assert self._coordinator is not None
+        report = self._load_reporter.check(
+            trio.current_time(), stats.num_waiting, stats.num_running, stats.kv_usage
+        )
+        if report is not None:
+            self._coordinator.try_send_multipart([self._load_codec.encode(report)])
+        # What the prefix cache stored and evicted since (the ``prefix`` dispatch policy's hints).
+        flush_kv_events(
+            self.core, self.config.engine_index, trio.current_time(), self._coordinator.try_send_multipart
+        )
 
     async def _beat_during_steps(self, pump: OutputPump) -> None:
         """The beat task: while a step runs, the heartbeats owed (``pump.beat``), and the moment the
@@ -243,10 +278,10 @@ class EngineCore:
         return EngineOutputs(self.config.engine_index, self.step_count, time.time(), [], stats)
 
 
-async def wait_for_work(work: Waker, pump: OutputPump) -> None:
-    """An idle busy loop's wait: until ``work`` is set or the next heartbeat is due, whichever comes
-    first (the caller then sends what ``pump.send_stats`` says is owed and looks for work again)."""
-    with trio.move_on_at(pump.heartbeat.next_due()):
+async def wait_for_work(work: Waker, due: float) -> None:
+    """An idle busy loop's wait: until ``work`` is set or ``due`` (the next heartbeat, or load report),
+    whichever comes first (the caller then sends what is owed and looks for work again)."""
+    with trio.move_on_at(due):
         await work.wait()
 
 
@@ -278,13 +313,29 @@ class RecentAborts:
         return request_id in self._ids
 
 
-async def _input_pump(sock: TrioZmqSocket, on_input: Callable[[EngineInput], None]) -> None:
+async def _input_pump(
+    sock: TrioZmqSocket,
+    on_input: Callable[[EngineInput], None],
+    monitor: TrioZmqSocket | None = None,
+    ready_frame: bytes = b"",
+) -> None:
     """One per API server: decode each frame and hand it over; a bad frame is logged and dropped, and
-    so is an add whose abort came first (``RecentAborts``)."""
+    so is an add whose abort came first (``RecentAborts``). It owns the socket's ``monitor`` too: each
+    connection handshake it reports (a restarted API server, engine/handshake.py) is answered with
+    ``ready_frame`` on the socket."""
     codec = engine_input_codec()
     aborts = RecentAborts()
     while True:
-        frames = await sock.recv_multipart()
+        frames = sock.try_recv_multipart()
+        if frames is None:
+            if monitor is None:
+                frames = await sock.recv_multipart()
+            elif monitor.try_recv_multipart() is not None:
+                sock.try_send_multipart([ready_frame])
+                continue
+            else:
+                await wait_any_readable(sock, monitor)
+                continue
         try:
             msg = codec.decode(frames[-1])
         except ProtocolError as exc:

@@ -64,6 +64,9 @@ class Core(Protocol):
 
     def abort(self, request_ids: list[str]) -> None: ...
 
+    def client_requests(self, client_index: int) -> list[str]:
+        """The ids of the unfinished requests ``client_index`` owns (a ``ClientReset`` aborts them)."""
+
     def schedule(self) -> int | None:
         """Choose the next step: the number of tokens it computes (the step watch's measure of its
         size), or ``None`` when there is nothing to compute now."""

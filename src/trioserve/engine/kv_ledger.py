@@ -24,14 +24,22 @@ Rules:
 - A hit never covers a whole prompt: ``lookup_prefix`` stops one token short, because the last prompt
   token must go through the model to produce the logits of the first output token.
 - ``allocate`` either succeeds completely or returns None and changes nothing.
+
+KV events: with a ``KvEventLog`` attached (``kv_events``, by ``engine/kv_events.flush_kv_events`` when
+there is a DP coordinator to tell), every hash registered is reported ``stored`` and every hash
+forgotten ``removed``, by its ``block_key``; without one nothing is collected.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
-from trioserve.engine.block_hash import BlockHash
+from trioserve.engine.block_hash import BlockHash, block_key
+
+if TYPE_CHECKING:
+    from trioserve.engine.kv_events import KvEventLog
 
 
 class KVLedger:
@@ -54,6 +62,7 @@ class KVLedger:
         self._num_hashed: dict[str, int] = {}
         self.prefix_queries = 0  # tokens looked up, cumulative (as recorded by the scheduler)
         self.prefix_hits = 0  # tokens found, cumulative
+        self.kv_events: KvEventLog | None = None  # told of every hash registered and forgotten
 
     # ---------------------------------------------------------------------------------------- counts
 
@@ -188,6 +197,8 @@ class KVLedger:
             if block_hash not in block_of:
                 block_of[block_hash] = block
                 hash_of[block] = block_hash
+                if self.kv_events is not None:
+                    self.kv_events.stored(block_key(block_hash))
         self._num_hashed[request_id] = end
 
     def free(self, request_id: str) -> None:
@@ -235,6 +246,12 @@ class KVLedger:
         assert block_hash is not None
         del self._block_of[block_hash]
         self._hash_of[block] = None
+        if self.kv_events is not None:
+            self.kv_events.removed(block_key(block_hash))
+
+    def cached_keys(self) -> list[int]:
+        """The ``block_key`` of every hash registered now (a KV-event re-sync lists them)."""
+        return [block_key(h) for h in self._block_of]
 
     # ------------------------------------------------------------------------------------ invariants
 

@@ -31,10 +31,12 @@ from trioserve.mock.core import MockCore
 from trioserve.runtime.process import (
     exit_on_signals,
     exit_when_parent_dies,
+    rank_title,
     set_title,
     setup_logging,
     until_first,
 )
+from trioserve.transport.security import configure_security
 
 log = logging.getLogger("trioserve.engine")
 
@@ -102,9 +104,10 @@ async def _main(config: EngineProcessConfig) -> None:
 def run_engine_core(config: EngineProcessConfig) -> int:
     """The engine-core process's main (``python -m trioserve engine-core``): title, logging, then
     the engine until it ends; returns the exit code (the module docstring says which)."""
-    index = config.engine.engine_index
-    set_title("EngineCore" if index == 0 else f"EngineCore_DP{index}")
+    engine = config.engine
+    set_title(rank_title("EngineCore", engine.engine_index, engine.data_parallel_size))
     setup_logging(config.log_level)
+    configure_security(engine.engine_secret)
     # What it can run was checked where the configuration was built (cli.engine_process_config).
     failed = False
     try:

@@ -23,7 +23,7 @@ heartbeat (an API server that has not read what is queued does not miss one).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Literal
 
 import trio
@@ -182,11 +182,17 @@ class OutputPump:
                 await sock.send_multipart([frame])
 
     async def run(self) -> None:
-        """The sender task of the ``fold`` policy."""
+        """The sender task of the ``fold`` policy. Rule: a client whose socket is full (its API server
+        is slow, or dead and being restarted: ZMQ queues for it up to the high-water mark) never holds
+        up the others; its step stays held (and folds) while the rest go out, and the task waits for
+        any full socket to drain or for a new step to hold."""
         while True:
             if not self._held:
+                if self._drained is not None:
+                    self._drained.set()
                 await self._wake.wait()
                 continue
+            full: list[TrioZmqSocket] = []
             for client in list(self._held):
                 sock = self._sockets[client]
                 # Take, encode and send with no await in between: the busy loop folds into the held
@@ -195,6 +201,20 @@ class OutputPump:
                 held.stats.folded_steps = self.folded_steps
                 if not sock.try_send_multipart([self._codec.encode(held)]):
                     self._held[client] = held
-                    await sock.wait_writable()
-            if not self._held and self._drained is not None:
-                self._drained.set()
+                    full.append(sock)
+            if full:
+                await _until_writable_or(full, self._wake)
+
+
+async def _until_writable_or(sockets: list[TrioZmqSocket], wake: Waker) -> None:
+    """Returns once one of ``sockets`` can take a message, or ``wake`` is set (one waiter per socket:
+    the pump owns them all)."""
+    async with trio.open_nursery() as nursery:
+
+        async def first(wait: Callable[[], Awaitable[object]]) -> None:
+            await wait()
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(first, wake.wait)
+        for sock in sockets:
+            nursery.start_soon(first, sock.wait_writable)

@@ -75,6 +75,9 @@ class SchedulerCore:
     def abort(self, request_ids: list[str]) -> None:
         self._aborts += request_ids
 
+    def client_requests(self, client_index: int) -> list[str]:
+        return [rid for rid, r in self.scheduler.requests.items() if r.client_index == client_index]
+
     def _apply_aborts(self) -> None:
         if self._aborts:
             self.scheduler.abort(self._aborts)

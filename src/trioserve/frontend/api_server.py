@@ -9,20 +9,26 @@ is ``trio.to_thread`` under a ``CapacityLimiter`` owned by ``Serving``.
 from __future__ import annotations
 
 import logging
+import math
 import socket
 from dataclasses import dataclass
+from functools import partial
 
 import trio
 import zmq
 
 from trioserve.config import FrontendConfig, ModelConfig
 from trioserve.frontend.access_log import AccessLog
+from trioserve.frontend.coordinator_link import LinkStats, follow_coordinator
+from trioserve.frontend.dispatch import make_policy
+from trioserve.frontend.edge.accept_balance import AcceptBalance
 from trioserve.frontend.edge.access import Gate
 from trioserve.frontend.edge.app import create_app
 from trioserve.frontend.edge.asgi_host import AsgiHost
 from trioserve.frontend.edge.http_server import HttpServer
 from trioserve.frontend.edge.ws_server import websocket_upgrade
 from trioserve.frontend.engine_client import EngineClient
+from trioserve.frontend.metrics_peers import Families, MetricsPeers
 from trioserve.frontend.output.output_handler import OutputHandler, StampedStepQueue
 from trioserve.frontend.serving import Serving
 from trioserve.frontend.text.tokenizer import Tokenizer
@@ -33,7 +39,7 @@ log = logging.getLogger("trioserve.frontend")
 
 @dataclass(frozen=True, slots=True)
 class EngineAddresses:
-    handshake: str
+    handshake: str | None  # None: the supervisor greets engines (several API servers)
     input: str
     output: str
 
@@ -53,23 +59,60 @@ class ApiServer:
         *,
         engine_output_hwm: int,
         engine_ready_timeout: float,
+        num_engines: int = 1,
+        client_index: int = 0,
+        api_server_count: int = 1,
+        ipc_dir: str | None = None,
+        coordinator_address: str = "",
+        accept_balance: AcceptBalance | None = None,
     ) -> None:
         """``engine_output_hwm``: the receiving end of the engines' output sockets (their section's
         setting, as both ends of a ZMQ pair set it); ``engine_ready_timeout``: how long ``run`` waits
-        for the first engine."""
+        for the engines. Under a supervisor: this server's ``client_index`` of ``api_server_count``,
+        the supervisor's ``ipc_dir``, the DP coordinator's PUB (``coordinator_address``), and the
+        accept balance shared with the other API servers."""
         self.engine_ready_timeout = engine_ready_timeout
         self.frontend = frontend
+        self.client_index = client_index
+        self.api_server_count = api_server_count
+        self.ipc_dir = ipc_dir
+        self.coordinator_address = coordinator_address
+        self.coordinator = LinkStats()
+        self.policy = (
+            make_policy(frontend.dispatch.dispatch, num_engines, api_server_count, client_index)
+            if num_engines > 1
+            else None
+        )
         self.engine = EngineClient(
             ctx,
             handshake_address=addresses.handshake,
             input_address=addresses.input,
             output_address=addresses.output,
+            num_engines=num_engines,
+            client_index=client_index,
             output_hwm=engine_output_hwm,
+            policy=self.policy,
+            # Under the supervisor the engines joined before any API server started; a restarted API
+            # server serves through the engines that are up while another is away.
+            ready_with_one=addresses.handshake is None,
         )
+        self._ctx = ctx
         streams = frontend.streams
         self.steps = StampedStepQueue(streams.output_queue_size, streams.output_queue_policy)
         self.metrics = Metrics(model.model_names[0], max_model_len=model.max_model_len)
         self.handler = OutputHandler(self.engine.abort, self.metrics)
+        # Several API servers: /metrics on any of them merges every one's (frontend/metrics_peers.py).
+        # Built before any traffic: a restarted server's counts start from its predecessor's file.
+        self.metrics_peers: MetricsPeers | None = None
+        if api_server_count > 1 and ipc_dir is not None:
+            self.metrics_peers = MetricsPeers(
+                ctx,
+                self.metrics,
+                self.metric_families,
+                ipc_dir=ipc_dir,
+                index=client_index,
+                count=api_server_count,
+            )
         self.serving = Serving(
             model, frontend.request, frontend.admission, streams, tokenizer, self.engine, self.handler
         )
@@ -87,6 +130,7 @@ class ApiServer:
             access_log=None
             if frontend.access.disable_access_log
             else AccessLog(frontend.access.disable_access_log_for_endpoints),
+            accept_balance=accept_balance,
         )
 
     async def run(
@@ -97,16 +141,31 @@ class ApiServer:
     ) -> None:
         """Start every task; ``started`` once engines are ready and the listener (if any) accepts."""
         async with trio.open_nursery() as nursery:
+            if self.coordinator_address and self.policy is not None:
+                await nursery.start(
+                    partial(
+                        follow_coordinator,
+                        self._ctx,
+                        self.coordinator_address,
+                        self.policy,
+                        stats=self.coordinator,
+                    )
+                )
             with trio.fail_after(self.engine_ready_timeout):
-                await nursery.start(self.engine.run, self.steps, self.serving.on_engine_dead)
+                await nursery.start(self.engine.run, self.steps, self._engine_dead)
             nursery.start_soon(self.handler.run, self.steps)
             if self.serving.renderer is not None:
                 await nursery.start(self.serving.renderer.run)
             nursery.start_soon(self._watch_loop_lag)
+            if self.metrics_peers is not None:
+                await nursery.start(self.metrics_peers.serve)
             await nursery.start(self.asgi.run)
             if listener is not None:
                 await nursery.start(self.http.serve, listener)
             task_status.started()
+
+    def _engine_dead(self, reason: str, request_ids: list[str] | None, retry_after: int | None) -> None:
+        self.serving.on_engine_dead(reason, request_ids, retry_after=retry_after)
 
     async def drain(self, timeout: float) -> None:
         """Graceful shutdown (SIGTERM). At once: the listener closes, idle connections close,
@@ -177,8 +236,19 @@ class ApiServer:
             "trioserve:stream_merged_tokens_max": ("The largest of those per response.", tokens_max),
         }
 
-    def metrics_text(self) -> str:
+    async def metrics_text(self) -> str:
+        """``/metrics``: this API server's alone when it is the only one (unlabelled, as ever), else
+        the deployment's, merged from every API server's at scrape time (``frontend/metrics_peers.py``)."""
+        peers = self.metrics_peers
+        if peers is not None:
+            return await peers.scrape()
+        f = self.metric_families()
+        return self.metrics.render(f.gauges, f.counters, f.rejected)
+
+    def metric_families(self) -> Families:
+        """Every value ``/metrics`` shows that is read live (at scrape time, off the token path)."""
         stats = self.handler.engine_stats.values()
+        ages = [age for _, age in self.handler.engine_stats_ages(trio.current_time())]
         admission = self.serving.admission
         renderer = self.serving.renderer
         output_delay = self.handler.output_delay()
@@ -231,7 +301,7 @@ class ApiServer:
             ),
             "trioserve:engine_stats_age_seconds": (
                 "Age of the oldest engine stats here (admission ignores stats older than 3 s).",
-                max((age for _, age in self.handler.engine_stats_ages(trio.current_time())), default=0.0),
+                max(ages, default=0.0),
             ),
             **self._stream_backlog(),
         }
@@ -294,4 +364,5 @@ class ApiServer:
                 sum(s.prefix_cache_hits for s in stats),
             ),
         }
-        return self.metrics.render(gauges, counters, dict(admission.rejected))
+        # No engine stats yet: the least fresh view, so a peer's that has some wins (metrics.py).
+        return Families(gauges, counters, dict(admission.rejected), max(ages, default=math.inf))

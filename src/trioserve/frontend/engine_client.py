@@ -1,26 +1,36 @@
 """The API server's side of the engine link: handshake, requests out, outputs in.
 
 Sockets (design §5): the API server binds a ROUTER for requests (each engine's DEALER identity is its
-engine index) and a PULL for outputs; engines join through a handshake ROUTER. Each socket has exactly
-one owner task. Other tasks hand work to the sender through two queues; ``abort`` goes ahead of queued
-``add``s, so a stop-string match or a disconnect reaches the engine without waiting behind new requests.
+engine index) and a PULL for outputs. Each socket has exactly one owner task. Other tasks hand work to
+the ROUTER's owner through queues; an abort goes ahead of queued adds, so a stop-string match or a
+disconnect reaches the engine without waiting behind new requests.
 
 Rule: an abort never overtakes its own add. ``abort`` of a request whose add is still queued drops the
 add (nothing of that request is ever sent); an abort for a request whose add has been sent is queued
 and goes out ahead of the adds of *other* requests. The engine would ignore an abort that arrived
 before its add, then run the add to ``max_tokens`` for nobody.
 
-The output reader also keeps an ``EngineHealth`` per engine (every message it receives is an
-observation), and a watcher task logs when an engine stalls and when it resumes.
+**Several engines** (``-dp``): the ROUTER's owner picks each add's engine when it sends it, among the
+engines that are *up* (joined, not reported dead, not joining again), by the dispatch policy
+(``frontend/dispatch.py``); an abort goes to the engine its add went to. Adds wait in the queue while
+no engine is up. An engine that dies fails only the requests it held, while others are up; the last
+one's death fails everything, and serving answers 503 until one is back.
 
-Engines join again at any time: a restarted engine core (launch/engine_supervisor.py), or an external
-one that reconnects. The handshake socket stays bound for the client's whole life and its owner task
-(``_greet``) answers every Hello with Welcome. Rule: a Hello pauses the pumps (the sender and the output
-reader are cancelled) until that engine says Ready on the request ROUTER, which ``_await_ready`` reads
-while the sender is stopped, so the ROUTER keeps one owner at a time. The ROUTER and the PULL stay
-bound throughout; ``ROUTER_HANDOVER`` lets the new engine's DEALER, which has the old one's identity,
-take the route over. ``joins``, ``dead_report`` and ``link_changed`` are what the engine supervisor
-watches; ``on_joined`` tells serving that the engine is back.
+**Who greets engines.** With one API server this client owns the handshake socket (``handshake_address``)
+and answers every Hello with Welcome (``welcome``: every API server's addresses, in client-index order).
+Under a supervisor (several API servers), the supervisor greets and this client binds only its ROUTER
+and PULL. Either way an engine is up from its Ready on the ROUTER, which the ROUTER's owner reads
+between sends. A Ready repeated by an engine already up (it says Ready again whenever a connection to
+it is made: a restarted API server) changes nothing. The first Ready of an engine process this client
+hears is answered with ``ClientReset``: whatever that engine holds for this client index belonged to an
+API server process that died.
+
+The output reader keeps an ``EngineHealth`` per engine (every message it receives is an observation),
+and a watcher task logs when an engine stalls and when it resumes. Engines join again at any time: a
+restarted engine core (launch/engine_supervisor.py), or an external one that reconnects; an engine that
+replaces one whose end nobody reported (an external engine killed and started again) ends the old
+one's requests first: the new engine knows none of them. ``link(index)`` is what an engine supervisor
+watches of one engine; ``on_joined`` tells serving that an engine is back.
 """
 
 from __future__ import annotations
@@ -28,11 +38,12 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 
 import trio
 import zmq
 
+from trioserve.frontend.dispatch import DispatchPolicy, RequestKey
 from trioserve.frontend.engine_health import EngineHealth, Stall
 from trioserve.frontend.output.step_queue import StepQueue
 from trioserve.protocol.codec import ProtocolError, engine_input_codec, engine_output_codec, handshake_codec
@@ -42,6 +53,7 @@ from trioserve.protocol.messages import (
     AbortRequests,
     AddRequest,
     ClientAddresses,
+    ClientReset,
     EngineDead,
     EngineHello,
     EngineOutputs,
@@ -51,9 +63,38 @@ from trioserve.protocol.messages import (
     engine_identity,
 )
 from trioserve.runtime.sync import Waker
-from trioserve.transport.zmq_socket import TrioZmqSocket
+from trioserve.transport.zmq_socket import HANDSHAKE_FAILED, TrioZmqSocket, wait_any_readable
 
 log = logging.getLogger("trioserve.frontend")
+
+# (reason, the requests that fail (None: every request, no engine is left), Retry-After seconds)
+OnDead = Callable[[str, "list[str] | None", "int | None"], None]
+
+
+class EngineLinkView:
+    """One engine of a client, as an engine supervisor watches it (``launch.engine_supervisor``'s
+    ``EngineLink``)."""
+
+    __slots__ = ("_client", "index")
+
+    def __init__(self, client: EngineClient, index: int) -> None:
+        self._client = client
+        self.index = index
+
+    @property
+    def joins(self) -> int:
+        return self._client.engine_joins.get(self.index, 0)
+
+    @property
+    def dead_report(self) -> str | None:
+        return self._client.down.get(self.index)
+
+    async def link_changed(self) -> None:
+        await self._client.link_changed()
+
+    def stall(self, now: float | None = None) -> Stall | None:
+        health = self._client.health.get(self.index)
+        return None if health is None else health.state(trio.current_time() if now is None else now)
 
 
 class EngineClient:
@@ -61,13 +102,23 @@ class EngineClient:
         self,
         ctx: zmq.Context[zmq.Socket[bytes]],
         *,
-        handshake_address: str,
+        handshake_address: str | None,
         input_address: str,
         output_address: str,
         num_engines: int = 1,
         client_index: int = 0,
         output_hwm: int = 64,
+        welcome: Sequence[ClientAddresses] | None = None,
+        coordinator_address: str = "",
+        policy: DispatchPolicy | None = None,
+        ready_with_one: bool = False,
     ) -> None:
+        """``handshake_address`` None: someone else greets engines (the supervisor); ``welcome``: the
+        API servers an engine must join (default: this one); ``policy``: with several engines, which
+        one takes each add (required then); ``ready_with_one``: ``run`` is started once one engine
+        has joined, not all (a restarted API server serves while a dead engine is still away)."""
+        if num_engines > 1 and policy is None:
+            raise ValueError("several engines need a dispatch policy")
         self.output_hwm = output_hwm
         self._ctx = ctx
         self.handshake_address = handshake_address
@@ -75,21 +126,30 @@ class EngineClient:
         self.output_address = output_address
         self.num_engines = num_engines
         self.client_index = client_index
-        self.engines: dict[int, EngineReady] = {}
+        self.policy = policy
+        own = [ClientAddresses(input_address, output_address)]
+        self._welcome = list(welcome) if welcome is not None else own
+        self._coordinator_address = coordinator_address
+        self.engines: dict[int, EngineReady] = {}  # the latest Ready of every engine that joined
+        self.down: dict[int, str] = {}  # engines reported dead since their last join: why
+        self._joining: set[int] = set()  # engines whose Hello came and whose Ready has not
+        self._seen: set[tuple[int, int]] = set()  # (engine index, pid) of every Ready heard
+        self.engine_joins: dict[int, int] = {}  # Readys that (re)joined, per engine
         self.bad_frames = 0
         self._adds: dict[str, bytes] = {}  # request id -> encoded add, not sent yet
         self._add_order: deque[str] = deque()  # ids in the order added (ids dropped meanwhile too)
-        self._aborts: list[str] = []  # aborts of requests whose add has been sent
+        self._keys: dict[str, RequestKey] = {}  # request id -> its policy key, beside a queued add
+        self._aborts: dict[int, list[str]] = {}  # per engine: aborts of requests whose add went there
+        self._resets: list[int] = []  # engines owed a ClientReset, ahead of anything else
+        self._placed: dict[str, int] = {}  # several engines: request id -> the engine its add went to
         self.dropped_adds = 0  # adds never sent: aborted while still queued
         self.health: dict[int, EngineHealth] = {}  # per engine, from its handshake on
-        # The link as the engine supervisor sees it: handshakes completed, and why the engine is dead
-        # if the link said so (EngineDead, unreachable) since the last handshake.
-        self.joins = 0
-        self.dead_report: str | None = None
+        self.joins = 0  # Readys that (re)joined, all engines
         self.on_joined: Callable[[EngineReady], None] = lambda ready: None
+        self._on_dead: OnDead = lambda reason, ids, retry_after: None
+        self._ready_with_one = ready_with_one
+        self._joined = trio.Event()  # every engine joined (one, with ``ready_with_one``)
         self._link_changed = Waker()
-        self._joining: dict[int, int] = {}  # engine index -> pid of its latest Hello, until its Ready
-        self._hello = Waker()
         self._wake = Waker()
         self._in_codec = engine_input_codec()
         self._out_codec = engine_output_codec()
@@ -98,11 +158,39 @@ class EngineClient:
     def queued_adds(self) -> int:
         return len(self._adds)
 
+    @property
+    def dead_report(self) -> str | None:
+        """Why an engine is dead, if one is (the first such)."""
+        return next(iter(self.down.values()), None)
+
+    def link(self, index: int) -> EngineLinkView:
+        return EngineLinkView(self, index)
+
+    def up_engines(self) -> list[int]:
+        """Engines that take requests now: joined, not dead, not joining again."""
+        return [i for i in self.engines if i not in self.down and i not in self._joining]
+
+    def dispatchable(self, now: float) -> list[int]:
+        """The up engines a new request may go to: the healthy ones (a stalled engine, a silent
+        remote one say, gets nothing new while another is healthy), else all that are up."""
+        up = self.up_engines()
+        if len(up) < 2:
+            return up
+        health = self.health
+        healthy = [i for i in up if (h := health.get(i)) is None or h.state(now) is None]
+        return healthy or up
+
+    def in_flight(self, index: int) -> int:
+        """Requests sent to engine ``index`` and not finished (several engines only)."""
+        return sum(1 for e in self._placed.values() if e == index)
+
     # ---- called from any task; never blocks -------------------------------------------------------
 
     def add(self, request: AddRequest) -> None:
         rid = request.request_id
         self._adds[rid] = self._in_codec.encode(request)
+        if self.policy is not None and (key := self.policy.request_key(request, self.engines)) is not None:
+            self._keys[rid] = key  # the prefix policy's block hashes, computed once, here
         self._add_order.append(rid)
         self._wake.set()
 
@@ -111,46 +199,83 @@ class EngineClient:
         adds = self._adds
         sent = [rid for rid in request_ids if adds.pop(rid, None) is None]
         self.dropped_adds += len(request_ids) - len(sent)
-        if sent:
-            self._aborts += sent
-            self._wake.set()
+        if not sent:
+            return
+        if self.policy is None:
+            self._aborts.setdefault(0, []).extend(sent)
+        else:
+            for rid in sent:
+                engine = self._placed.pop(rid, None)
+                if engine is not None:  # else finished, or failed with its engine
+                    self.policy.done(engine)
+                    self._aborts.setdefault(engine, []).append(rid)
+        self._wake.set()
 
-    def next_frame(self) -> bytes | None:
-        """What the sender sends next: the queued aborts (one message), else the oldest queued add;
-        None when nothing is queued."""
+    def finished(self, request_id: str) -> None:
+        """The engine finished this request (several engines: it no longer counts against one)."""
+        engine = self._placed.pop(request_id, None)
+        if engine is not None and self.policy is not None:
+            self.policy.done(engine)
+
+    def next_frame(self, up: Collection[int] = (0,)) -> tuple[int, bytes] | None:
+        """What the ROUTER's owner sends next, and to which engine, given the engines ``up``: a
+        ClientReset owed, else an engine's queued aborts (one message), else the oldest queued add
+        (to the engine the policy picks); None when nothing can be sent now."""
+        if self._resets:
+            engine = self._resets.pop()
+            return engine, self._in_codec.encode(ClientReset(self.client_index))
         if self._aborts:
-            frame = self._in_codec.encode(AbortRequests(self._aborts))
-            self._aborts = []
-            return frame
-        order, adds = self._add_order, self._adds
-        while order:
-            add = adds.pop(order.popleft(), None)
-            if add is not None:  # else dropped by an abort
-                return add
-        return None
+            engine, ids = self._aborts.popitem()
+            return engine, self._in_codec.encode(AbortRequests(ids))
+        order, adds, keys = self._add_order, self._adds, self._keys
+        while order and order[0] not in adds:  # dropped by an abort
+            keys.pop(order.popleft(), None)
+        if not order:
+            return None
+        policy = self.policy
+        if policy is None:
+            if 0 not in up:
+                return None
+            engine = 0
+        elif (picked := policy.pick(up, keys.get(order[0]))) is None:
+            return None
+        else:
+            engine = picked
+        rid = order.popleft()
+        add = adds.pop(rid)
+        key = keys.pop(rid, None)
+        if policy is not None:
+            self._placed[rid] = engine
+            policy.sent(engine, key)
+        return engine, add
 
     def stall(self, now: float | None = None) -> Stall | None:
-        """The first stalled engine's state (None while every engine talks; ``now``: trio clock, the
-        current time if not given)."""
+        """A stalled engine's state when no engine that is alive is healthy (one engine: when it is
+        stalled); None otherwise (``now``: trio clock, the current time if not given)."""
         if now is None:
             now = trio.current_time()
-        for health in self.health.values():
+        first: Stall | None = None
+        for index, health in self.health.items():
+            if index in self.down:
+                continue
             stall = health.state(now)
-            if stall is not None:
-                return stall
-        return None
+            if stall is None:
+                return None
+            first = first or stall
+        return first
 
     # ---- the owner tasks -----------------------------------------------------------------------------
 
     async def run(
         self,
         outputs: StepQueue,
-        on_dead: Callable[[str], None],
+        on_dead: OnDead,
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Bind, wait for every engine's handshake (``started`` after the first), then pump until
-        cancelled, pausing the pumps while an engine joins again (see the module docstring)."""
+        """Bind, wait for every engine's Ready (``started`` then; or the first's, with
+        ``ready_with_one``), and pump until cancelled."""
+        self._on_dead = on_dead
         router = TrioZmqSocket.create(self._ctx, zmq.ROUTER, bind=self.input_address)
         # Unroutable or full: raise instead of silently dropping (ROUTER's default).
         router.raw.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -158,58 +283,89 @@ class EngineClient:
         # the old connection's end is noticed.
         router.raw.setsockopt(zmq.ROUTER_HANDOVER, 1)
         pull = TrioZmqSocket.create(self._ctx, zmq.PULL, bind=self.output_address, rcvhwm=self.output_hwm)
-        hs = TrioZmqSocket.create(self._ctx, zmq.ROUTER, bind=self.handshake_address)
-
-        def dead(reason: str) -> None:
-            self.mark_dead(reason)
-            on_dead(reason)
-
+        hs = None
+        if self.handshake_address is not None:
+            hs = TrioZmqSocket.create(self._ctx, zmq.ROUTER, bind=self.handshake_address)
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._greet, hs)
+                if hs is not None:
+                    nursery.start_soon(self._greet, hs)
                 nursery.start_soon(self._watch_health)
-                first = True
-                while True:
-                    joined = await self._await_ready(router, dead)
-                    if first:
-                        task_status.started()
-                        first = False
-                    for ready in joined:
-                        self.on_joined(ready)
-                    async with trio.open_nursery() as pumps:
-                        pumps.start_soon(self._send_loop, router, dead)
-                        pumps.start_soon(self._recv_loop, pull, outputs, dead)
-                        while not self._joining:
-                            await self._hello.wait()
-                        pumps.cancel_scope.cancel()
+                nursery.start_soon(self._router_loop, router)
+                await self._joined.wait()
+                nursery.start_soon(self._recv_loop, pull, outputs)
+                task_status.started()
         finally:
-            goodbye = self._in_codec.encode(ShutdownEngine("api server exit"))
-            for index in self.engines:
-                with contextlib.suppress(zmq.ZMQError):  # the engine may be gone already
-                    router.try_send_multipart([engine_identity(index), goodbye])
-            hs.close()
+            if self.handshake_address is not None:  # the engines' owner (else the supervisor's)
+                goodbye = self._in_codec.encode(ShutdownEngine("api server exit"))
+                for index in self.engines:
+                    with contextlib.suppress(zmq.ZMQError):  # the engine may be gone already
+                        router.try_send_multipart([engine_identity(index), goodbye])
+            if hs is not None:
+                hs.close()
             router.close()
             pull.close()
 
     async def link_changed(self) -> None:
-        """Returns after ``joins`` or ``dead_report`` changed (perhaps before this call)."""
+        """Returns after ``joins`` or an engine's death report changed (perhaps before this call)."""
         await self._link_changed.wait()
 
-    def mark_dead(self, reason: str) -> None:
-        """The engine is dead (the link said so, or its process exited): until an engine joins
-        again its silence is no stall, and ``dead_report`` says why."""
-        for health in self.health.values():
+    def engine_died(self, index: int, reason: str, retry_after: int | None = None) -> None:
+        """Engine ``index`` is gone (the link said so, its process exited, or the supervisor said so):
+        until it joins again its silence is no stall, nothing is sent to it, and the requests it held
+        fail (all requests, when no engine is left up)."""
+        if index in self.down:
+            if retry_after is not None and not self.up_engines():
+                self._on_dead(self.down[index], None, retry_after)  # a better Retry-After
+            return
+        self.down[index] = reason
+        health = self.health.get(index)
+        if health is not None:
             health.pause()
-        self.dead_report = reason
+        self._aborts.pop(index, None)
         self._link_changed.set()
+        lost: list[str] | None = [rid for rid, e in self._placed.items() if e == index]
+        assert lost is not None
+        for rid in lost:
+            del self._placed[rid]
+            if self.policy is not None:
+                self.policy.done(index)
+        if self.policy is None or not self.up_engines():
+            lost = None  # nothing is left: every request fails, and new ones are refused
+        self._on_dead(reason, lost, retry_after)
+
+    def mark_dead(self, reason: str) -> None:
+        """Engine 0 is dead (one engine: the engine)."""
+        self.engine_died(0, reason)
 
     async def _greet(self, hs: TrioZmqSocket) -> None:
-        """Owns the handshake socket: every engine's Hello, the first or a later one, gets Welcome
-        and marks that engine as joining (the run loop pauses the pumps for it)."""
+        """Owns the handshake socket: every engine's Hello, the first or a later one, gets Welcome and
+        marks that engine as joining (nothing is sent to it until its Ready)."""
         codec = handshake_codec()
-        welcome = codec.encode(Welcome([ClientAddresses(self.input_address, self.output_address)]))
+        welcome = codec.encode(Welcome(self._welcome, coordinator_address=self._coordinator_address))
+        monitor = None
+        if self.handshake_address is not None and self.handshake_address.startswith("tcp://"):
+            monitor = TrioZmqSocket(hs.raw.get_monitor_socket(HANDSHAKE_FAILED))
+        refused = 0
         while True:
-            peer, frame = (await hs.recv_multipart())[-2:]
+            frames = hs.try_recv_multipart()
+            if frames is None:
+                if monitor is None:
+                    frames = await hs.recv_multipart()
+                elif monitor.try_recv_multipart() is not None:
+                    refused += 1
+                    if refused == 1 or refused % 100 == 0:  # a peer retries every 100 ms
+                        log.warning(
+                            "handshake: %d connections to %s failed their CURVE handshake (an engine "
+                            "with another --engine-secret, or not an engine)",
+                            refused,
+                            self.handshake_address,
+                        )
+                    continue
+                else:
+                    await wait_any_readable(hs, monitor)
+                    continue
+            peer, frame = frames[-2:]
             try:
                 hello = codec.decode(frame)
             except ProtocolError as exc:
@@ -218,67 +374,69 @@ class EngineClient:
             if not isinstance(hello, EngineHello) or hello.protocol_version != PROTOCOL_VERSION:
                 log.warning("handshake: unexpected %r", hello)
                 continue
-            if self.joins:
+            if hello.engine_index >= self.num_engines:
+                log.warning("handshake: engine %d, but there are %d", hello.engine_index, self.num_engines)
+                continue
+            if self.engine_joins.get(hello.engine_index):
                 log.info("engine %d (pid %d) joins again", hello.engine_index, hello.pid)
-            self._joining[hello.engine_index] = hello.pid  # before Welcome: its Ready comes after it
-            self._hello.set()
+            self._joining.add(hello.engine_index)  # before Welcome: its Ready comes after it
             await hs.send_multipart([peer, welcome])
 
-    async def _await_ready(self, router: TrioZmqSocket, dead: Callable[[str], None]) -> list[EngineReady]:
-        """Owns the request ROUTER (the sender is stopped) until every engine is known and every
-        joining one has said Ready; returns the Readys it read. An engine that replaces one whose
-        end nobody reported (an external engine killed and started again) ends the old one's
-        requests first: the new engine knows none of them, so they would wait forever."""
+    async def _router_loop(self, router: TrioZmqSocket) -> None:
+        """Owns the request ROUTER: reads every Ready that arrives, and sends what ``next_frame``
+        gives; parks on the socket or the wake-up, whichever comes first."""
         codec = handshake_codec()
-        joined: list[EngineReady] = []
-        while len(self.engines) < self.num_engines or self._joining:
-            frame = (await router.recv_multipart())[-1]
-            try:
-                ready = codec.decode(frame)
-            except ProtocolError as exc:
-                log.warning("handshake: %s", exc)
-                continue
-            if not isinstance(ready, EngineReady):
-                continue
-            index = ready.engine_index
-            replaced = self.engines.get(index)
-            if replaced is not None and replaced.pid != ready.pid and self.dead_report is None:
-                gone = f"engine {index} (pid {replaced.pid})"
-                dead(f"{gone} was replaced by pid {ready.pid} before reporting its end")
-            self.engines[index] = ready
-            if self._joining.get(index) == ready.pid:  # else an engine superseded by a later Hello
-                del self._joining[index]
-            joined.append(ready)
-            log.info("engine %d ready (%s, pid %d)", index, ready.kind, ready.pid)
-        now = trio.current_time()
-        for ready in joined:
-            old = self.health.get(ready.engine_index)
-            fresh = self.health[ready.engine_index] = EngineHealth(ready.engine_index, now)
-            if old is not None:
-                fresh.stall_count = old.stall_count  # a counter in /metrics: it never goes back
-        self.joins += len(joined)
-        self.dead_report = None
-        self._link_changed.set()
-        return joined
-
-    async def _send_loop(self, router: TrioZmqSocket, on_dead: Callable[[str], None]) -> None:
-        identity = engine_identity(0)  # one engine per API server until data parallelism lands
         while True:
-            frame = self.next_frame()
-            if frame is None:
-                await self._wake.wait()
+            while (frames := router.try_recv_multipart()) is not None:
+                try:
+                    ready = codec.decode(frames[-1])
+                except ProtocolError as exc:
+                    log.warning("handshake: %s", exc)
+                    continue
+                if isinstance(ready, EngineReady):
+                    self._on_ready(ready)
+            item = self.next_frame(self.dispatchable(trio.current_time()))
+            if item is None:
+                await self._wake.wait_or(router.wait_readable)
                 continue
+            index, frame = item
             try:
-                await router.send_multipart([identity, frame])
+                await router.send_multipart([engine_identity(index), frame])
             except zmq.ZMQError as exc:  # EHOSTUNREACH: the engine's socket is gone
-                on_dead(f"cannot reach engine 0: {exc}")
+                self.engine_died(index, f"cannot reach engine {index}: {exc}")
 
-    async def _recv_loop(
-        self,
-        pull: TrioZmqSocket,
-        outputs: StepQueue,
-        on_dead: Callable[[str], None],
-    ) -> None:
+    def _on_ready(self, ready: EngineReady) -> None:
+        index = ready.engine_index
+        if index >= self.num_engines:
+            log.warning("engine %d said Ready, but there are %d", index, self.num_engines)
+            return
+        known = self.engines.get(index)
+        if known is not None and index not in self.down:
+            if known.pid == ready.pid and index not in self._joining:
+                return  # said again after a connection was made (a restarted API server's): no news
+            if known.pid != ready.pid:
+                gone = f"engine {index} (pid {known.pid})"
+                self.engine_died(index, f"{gone} was replaced by pid {ready.pid} before reporting its end")
+        self.engines[index] = ready
+        self.down.pop(index, None)
+        self._joining.discard(index)
+        if (index, ready.pid) not in self._seen:
+            self._seen.add((index, ready.pid))
+            self._resets.append(index)
+        old = self.health.get(index)
+        fresh = self.health[index] = EngineHealth(index, trio.current_time())
+        if old is not None:
+            fresh.stall_count = old.stall_count  # a counter in /metrics: it never goes back
+        self.engine_joins[index] = self.engine_joins.get(index, 0) + 1
+        self.joins += 1
+        log.info("engine %d ready (%s, pid %d)", index, ready.kind, ready.pid)
+        self._link_changed.set()
+        if self._ready_with_one or len(self.engines) == self.num_engines:
+            self._joined.set()
+        self.on_joined(ready)
+
+    async def _recv_loop(self, pull: TrioZmqSocket, outputs: StepQueue) -> None:
+        several = self.policy is not None
         while True:
             (frame,) = (await pull.recv_multipart())[-1:]
             try:
@@ -287,9 +445,13 @@ class EngineClient:
                 self.bad_frames += 1
                 log.warning("dropping engine frame: %s", exc)
                 continue
-            health = self.health.get(msg.engine_index)
             match msg:
                 case EngineOutputs():
+                    health = self.health.get(msg.engine_index)
+                    if several and msg.outputs:
+                        for out in msg.outputs:
+                            if out.finish_reason is not None:
+                                self.finished(out.request_id)
                     if health is None:
                         await outputs.put(msg)
                         continue
@@ -300,8 +462,11 @@ class EngineClient:
                     health.pause()  # a full queue under "block": the wait is ours, not the engine's
                     await outputs.put(msg)
                     health.resume(trio.current_time())
-                case EngineDead(engine_index=index, reason=reason):
-                    on_dead(f"engine {index} failed: {reason}")
+                case EngineDead(engine_index=index, reason=reason, pid=pid):
+                    known = self.engines.get(index)
+                    if pid and known is not None and known.pid != pid:
+                        continue  # about a process that was replaced already
+                    self.engine_died(index, f"engine {index} failed: {reason}")
 
     async def _watch_health(self) -> None:
         """Log when an engine stalls (its resumption is logged by the reader, on the message that

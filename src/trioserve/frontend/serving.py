@@ -420,10 +420,17 @@ class Serving:
         self.draining = True
         self.handler.fail_all(503, "the server is shutting down")
 
-    def on_engine_dead(self, reason: str, *, retry_after: int | None = None) -> None:
-        """The engine is gone: every running request fails now, and new ones get 503 (with
+    def on_engine_dead(
+        self, reason: str, request_ids: list[str] | None = None, *, retry_after: int | None = None
+    ) -> None:
+        """An engine is gone. ``request_ids`` (others still serve): the requests it held fail now.
+        None (no engine is left): every running request fails now, and new ones get 503 (with
         ``retry_after``, when the caller knows when a replacement is due) until ``on_engine_ready``.
         The first reason stands until then; later reports only fail what is still running."""
+        if request_ids is not None:
+            log.error("%s; %d requests on it fail, the other engines serve", reason, len(request_ids))
+            self.handler.fail(request_ids, 503, f"the engine is unavailable: {reason}")
+            return
         if retry_after is not None:
             self.engine_retry_after = retry_after
         if self.dead_reason is None:

@@ -17,50 +17,70 @@ from __future__ import annotations
 import gc
 import logging
 import socket
-import subprocess
 import sys
 
 import trio
 import zmq
 
-from trioserve.config import ServeConfig, encode, override
+from trioserve.config import ServeConfig, override
 from trioserve.frontend.api_server import ApiServer, EngineAddresses
 from trioserve.frontend.text.tokenizer import Tokenizer, load_tokenizer
+from trioserve.launch.addresses import AddressLayout
+from trioserve.launch.children import ChildCommand, child_command
 from trioserve.launch.engine_supervisor import EngineFailed, EngineStartupError, EngineSupervisor
 from trioserve.launch.ipc_dir import ipc_dir as make_ipc_dir
 from trioserve.launch.ipc_dir import sweep_stale
 from trioserve.models.geometry import KVGeometry
 from trioserve.runtime.process import (
-    exit_on_signals,
     raise_open_file_limit,
     set_title,
     setup_logging,
     until_first,
+    watch_signals,
 )
+from trioserve.transport.security import configure_security, require_secret_for, serve_zap
 
 log = logging.getLogger("trioserve")
 
 
-def open_listener(host: str, port: int, backlog: int = 4096) -> socket.socket:
+def open_listener(host: str, port: int, backlog: int = 4096, *, reuse_port: bool = False) -> socket.socket:
+    """The listening socket; ``reuse_port``: with ``SO_REUSEPORT`` (the supervisor's, shared by its
+    API servers, as vLLM's is)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
     sock.listen(backlog)
     sock.setblocking(False)
     return sock
 
 
-def engine_command(config: ServeConfig, handshake: str) -> list[str]:
-    """The engine-core process to spawn, with its part of the tree as one value."""
-    value = encode(config.engine_process(handshake))
-    return [sys.executable, "-m", "trioserve", "engine-core", f"--config-json={value}"]
+def engine_command(config: ServeConfig, handshake: str, engine_index: int = 0) -> ChildCommand:
+    """Engine core ``engine_index``'s process to spawn, with its part of the tree as one value."""
+    return child_command("engine-core", "--config-json", config.engine_process(handshake, engine_index))
 
 
 def api_server(
-    config: ServeConfig, tokenizer: Tokenizer, ctx: zmq.Context[zmq.Socket[bytes]], addresses: EngineAddresses
+    config: ServeConfig,
+    tokenizer: Tokenizer,
+    ctx: zmq.Context[zmq.Socket[bytes]],
+    addresses: EngineAddresses,
+    *,
+    client_index: int = 0,
+    ipc_dir: str | None = None,
+    coordinator_address: str = "",
+    connection_loads: str = "",
 ) -> ApiServer:
-    """An API server, given its sections of ``config``."""
+    """An API server, given its sections of ``config``; under a supervisor, its place in the tree
+    (``launch/api_server_main.py``)."""
+    count = config.api_server_count
+    balance = None
+    if connection_loads:
+        from trioserve.frontend.edge.accept_balance import AcceptBalance, ConnectionLoads
+
+        balance = AcceptBalance(ConnectionLoads.open(connection_loads, count), client_index)
     return ApiServer(
         config.model,
         config.frontend,
@@ -69,25 +89,29 @@ def api_server(
         addresses,
         engine_output_hwm=config.engine.engine_output_hwm,
         engine_ready_timeout=config.supervisor.engine_ready_timeout,
+        num_engines=config.engine.data_parallel_size,
+        client_index=client_index,
+        api_server_count=count,
+        ipc_dir=ipc_dir,
+        coordinator_address=coordinator_address,
+        accept_balance=balance,
     )
 
 
-async def until_stop(supervisor: EngineSupervisor | None) -> None:
-    """Returns on the first SIGINT or SIGTERM, or once the engine died under ``--engine-restart never``."""
+async def until_stop(stop: trio.Event, supervisor: EngineSupervisor | None) -> None:
+    """Returns once ``stop`` is set (a signal), or once the engine died under ``--engine-restart never``."""
     if supervisor is None:
-        await exit_on_signals()
+        await stop.wait()
     else:
-        await until_first(exit_on_signals, supervisor.failed.wait)
+        await until_first(stop.wait, supervisor.failed.wait)
 
 
 async def serve(config: ServeConfig, listener: socket.socket, ipc_dir: str) -> None:
     tokenizer = await trio.to_thread.run_sync(load_tokenizer, config.model.tokenizer or config.model.model)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    addresses = EngineAddresses(
-        handshake=config.engine.handshake_address or f"ipc://{ipc_dir}/handshake",
-        input=f"ipc://{ipc_dir}/input",
-        output=f"ipc://{ipc_dir}/output",
-    )
+    layout = AddressLayout.of(config.engine.handshake_address, ipc_dir)
+    handshake, own = layout.handshake, layout.client(0)
+    addresses = EngineAddresses(handshake=handshake, input=own.input_address, output=own.output_address)
     api = api_server(config, tokenizer, ctx, addresses)
     # Everything built so far (tokenizer tables, modules) lives for the whole process: move it out of
     # the collector's generations so full collections stop re-walking it (vLLM does the same).
@@ -95,21 +119,20 @@ async def serve(config: ServeConfig, listener: socket.socket, ipc_dir: str) -> N
     gc.freeze()
     supervisor: EngineSupervisor | None = None
     if config.engine.kind != "external":  # an external engine is its operator's to restart
-        command = engine_command(config, addresses.handshake)
+        command = engine_command(config, handshake)
 
         async def spawn() -> trio.Process:
-            return await trio.lowlevel.open_process(command, stdin=subprocess.DEVNULL)
+            return await command.spawn()
 
         def dead(reason: str, retry_after: int) -> None:
-            api.engine.mark_dead(reason)
-            api.serving.on_engine_dead(reason, retry_after=retry_after)
+            api.engine.engine_died(0, reason, retry_after)
 
         def restarted() -> None:
             api.engine_restarts += 1
 
         supervisor = EngineSupervisor(
             spawn,
-            api.engine,
+            api.engine.link(0),
             dead,
             restart=config.supervisor.engine_restart,
             ready_timeout=config.supervisor.engine_ready_timeout,
@@ -118,6 +141,10 @@ async def serve(config: ServeConfig, listener: socket.socket, ipc_dir: str) -> N
         )
     try:
         async with trio.open_nursery() as nursery:
+            stop = trio.Event()
+            await nursery.start(watch_signals, stop)
+            if layout.tcp_host is not None:
+                await nursery.start(serve_zap, ctx)  # before the TCP sockets bind
             if supervisor is not None:
                 await nursery.start(supervisor.run)
             await nursery.start(api.run, listener)
@@ -128,7 +155,7 @@ async def serve(config: ServeConfig, listener: socket.socket, ipc_dir: str) -> N
                 port,
                 ", ".join(config.model.model_names),
             )
-            await until_stop(supervisor)
+            await until_stop(stop, supervisor)
             log.info("shutting down: draining %d requests", len(api.serving.active))
             if supervisor is not None:
                 supervisor.stop()
@@ -160,8 +187,18 @@ def resolve_model(config: ServeConfig) -> ServeConfig:
 
 
 def run_serve(config: ServeConfig) -> int:
-    set_title("APIServer")
+    """``serve``: one API server with its engine core (this process), or, with several API servers or
+    engine cores, the supervisor's tree (``launch/supervisor.py``)."""
+    set_title("Supervisor" if config.supervised else "APIServer")
     setup_logging(config.log_level)
+    configure_security(config.engine.engine_secret)
+    try:
+        AddressLayout.of(config.engine.handshake_address, "")
+        if config.engine.handshake_address:
+            require_secret_for(config.engine.handshake_address)
+    except ValueError as exc:
+        print(f"trioserve serve: error: {exc}", file=sys.stderr)
+        return 2
     if config.engine.kind == "model":
         try:
             config = resolve_model(config)
@@ -171,13 +208,20 @@ def run_serve(config: ServeConfig) -> int:
     try:
         raise_open_file_limit(log)
         http = config.frontend.http
-        listener = open_listener(http.host, http.port)
+        listener = open_listener(http.host, http.port, reuse_port=config.supervised)
     except OSError as exc:
         print(f"trioserve serve: error: cannot listen on {http.host}:{http.port}: {exc}", file=sys.stderr)
         return 1
     for name in sweep_stale():
         log.info("removed %s, the IPC folder of an API server that was killed", name)
     with make_ipc_dir() as ipc_dir:
+        if config.supervised:
+            from trioserve.launch.supervisor import run_supervisor
+
+            try:
+                return run_supervisor(config, listener, ipc_dir)
+            finally:
+                listener.close()
         failed = False
         try:
             trio.run(serve, config, listener, ipc_dir)

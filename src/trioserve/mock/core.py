@@ -186,6 +186,10 @@ class MockCore:
                 # Rare (abort before the first step): a linear scan of the waiting queue is fine.
                 self.waiting = deque(r for r in self.waiting if r.add.request_id != rid)
 
+    def client_requests(self, client_index: int) -> list[str]:
+        held = (*self.waiting, *self.running.values())
+        return [r.add.request_id for r in held if r.add.client_index == client_index]
+
     def schedule(self) -> int | None:
         """A step when there is work: one token for each request running at its end (at most
         ``max_num_seqs``); without work the clock rests."""

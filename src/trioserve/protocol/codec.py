@@ -6,7 +6,15 @@ from typing import Generic, TypeVar
 
 import msgspec
 
-from trioserve.protocol.messages import EngineInput, EngineOutputMessage, HandshakeMessage
+from trioserve.protocol.messages import (
+    CoordinatorInput,
+    CoordinatorOutput,
+    EngineInput,
+    EngineOutputMessage,
+    HandshakeMessage,
+    LoadReport,
+    LoadSnapshot,
+)
 
 T = TypeVar("T")
 
@@ -50,3 +58,21 @@ def engine_input_codec() -> Codec[EngineInput]:
 
 def engine_output_codec() -> Codec[EngineOutputMessage]:
     return Codec(EngineOutputMessage, "engine output")
+
+
+def load_report_codec() -> Codec[LoadReport]:
+    return Codec(LoadReport, "load report")
+
+
+def load_snapshot_codec() -> Codec[LoadSnapshot]:
+    return Codec(LoadSnapshot, "load snapshot")
+
+
+def coordinator_input_codec() -> Codec[CoordinatorInput]:
+    """What the DP coordinator's PULL reads: engines' ``LoadReport``s and ``KvEvents``."""
+    return Codec(CoordinatorInput, "coordinator input")
+
+
+def coordinator_output_codec() -> Codec[CoordinatorOutput]:
+    """What API servers read off the coordinator's PUB: ``LoadSnapshot``s and ``KvEvents``."""
+    return Codec(CoordinatorOutput, "coordinator output")

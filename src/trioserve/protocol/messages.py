@@ -63,6 +63,9 @@ class EngineHello(_Wire, tag="hello"):
 class Welcome(_Wire, tag="welcome"):
     clients: list[ClientAddresses]
     protocol_version: int = PROTOCOL_VERSION
+    # With data parallelism: the DP coordinator's PULL, where the engine pushes its ``LoadReport``s
+    # ("": no coordinator).
+    coordinator_address: str = ""
 
 
 class EngineReady(_Wire, tag="ready"):
@@ -145,7 +148,14 @@ class ShutdownEngine(_Wire, tag="shutdown"):
     reason: str = ""
 
 
-EngineInput = AddRequest | AbortRequests | ShutdownEngine
+class ClientReset(_Wire, tag="reset"):
+    """A new API server process now holds ``client_index`` (the supervisor restarted it): every request
+    the engine holds for that index belonged to the one that died, and is dropped without output."""
+
+    client_index: int
+
+
+EngineInput = AddRequest | AbortRequests | ShutdownEngine | ClientReset
 
 
 # --------------------------------------------------------------------------------------------------
@@ -223,10 +233,62 @@ class EngineOutputs(_Wire, tag="out"):
 
 
 class EngineDead(_Wire, tag="dead"):
-    """An engine core that hits an unrecoverable error says so before it exits."""
+    """An engine core that hits an unrecoverable error says so before it exits; the supervisor says
+    it for an engine process that exited without a word (``pid``: that process; 0: not known)."""
 
     engine_index: int
     reason: str
+    pid: int = 0
 
 
 EngineOutputMessage = EngineOutputs | EngineDead
+
+
+# --------------------------------------------------------------------------------------------------
+# Data parallelism: engines -> DP coordinator (PUSH -> PULL), coordinator -> API servers (PUB -> SUB).
+# --------------------------------------------------------------------------------------------------
+
+
+class LoadReport(_Wire, tag="load"):
+    """One engine's load as its scheduler sees it, sent to the coordinator when it changes."""
+
+    engine_index: int
+    num_waiting: int
+    num_running: int
+    kv_usage: float = 0.0  # fraction of KV blocks in use, 0..1
+
+
+class LoadSnapshot(_Wire, tag="loads"):
+    """The coordinator's latest report of every engine it heard from (index order), published to
+    every API server at most every ``COORDINATOR_PUBLISH_INTERVAL``; ``seq`` counts publications."""
+
+    seq: int
+    engines: list[LoadReport]
+
+
+COORDINATOR_PUBLISH_INTERVAL = 0.1  # seconds: vLLM's DP coordinator publishes at most this often
+
+
+# The most block keys (stored + removed) one ``KvEvents`` message carries: a larger batch is split
+# into several messages, ``cleared`` on the first only. 4096 keys are ~37 KB of msgpack.
+MAX_KV_EVENT_KEYS = 4096
+
+
+class KvEvents(_Wire, tag="kv"):
+    """Block keys (``protocol.block_hash.block_key``) an engine's prefix cache stored and evicted:
+    engine -> DP coordinator on the PUSH its ``LoadReport``s use, and coordinator -> every API server
+    on its PUB (``coordinator/core.py`` states the rules). ``cleared``: forget every key held for this
+    engine before applying ``stored`` (a full re-sync starts so; further messages of the same re-sync
+    follow with ``cleared`` False). ``stored`` and ``removed`` are disjoint. ``seq`` counts the
+    sender's ``KvEvents`` (per engine from an engine, overall from the coordinator), so a receiver
+    can tell it missed some. A hint for dispatch only: losing one never affects correctness."""
+
+    engine_index: int
+    stored: list[int]
+    removed: list[int]
+    cleared: bool = False
+    seq: int = 0
+
+
+CoordinatorInput = LoadReport | KvEvents  # engine -> coordinator (PUSH -> PULL)
+CoordinatorOutput = LoadSnapshot | KvEvents  # coordinator -> API servers (PUB -> SUB)

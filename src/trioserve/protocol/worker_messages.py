@@ -29,6 +29,12 @@ class WorkerLaunch(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     results_ring: RingHandle | None = None  # the writer end of the result ring (output rank only)
     rank: int = 0
     log_level: str = "info"
+    title: str = "Worker"  # the process title's role and ranks (``runtime.process.rank_title``)
+    # Tensor parallelism: ``rank`` is this worker's rank among ``tensor_parallel_size`` workers, which
+    # meet through ``dist_init_method`` (a torch.distributed init URL the engine core owns; None with
+    # one worker). Every rank reads the same step ring; only rank 0 has the result ring.
+    tensor_parallel_size: int = 1
+    dist_init_method: str | None = None
 
     @property
     def kv_cache_bytes(self) -> int:

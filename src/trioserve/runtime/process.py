@@ -17,6 +17,16 @@ def set_title(name: str) -> None:
     setproctitle.setproctitle(f"trioserve::{name}")
 
 
+def rank_title(role: str, dp_rank: int = 0, dp_size: int = 1, tp_rank: int = 0, tp_size: int = 1) -> str:
+    """``role`` with the ranks of the dimensions larger than one: ``Worker``, ``EngineCore_DP1``,
+    ``Worker_DP1_TP0`` (docs/processes.md)."""
+    if dp_size > 1:
+        role += f"_DP{dp_rank}"
+    if tp_size > 1:
+        role += f"_TP{tp_rank}"
+    return role
+
+
 def setup_logging(level: str) -> None:
     logging.basicConfig(
         level=level.upper(),
@@ -57,6 +67,18 @@ async def until_first(*waiters: Callable[[], Awaitable[object]]) -> None:
 
         for waiter in waiters:
             nursery.start_soon(first, waiter)
+
+
+async def watch_signals(
+    stop: trio.Event, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Sets ``stop`` on the first SIGINT or SIGTERM. ``started`` once the handler is in place: start
+    it first, so a signal during start-up asks for a shutdown instead of killing the process."""
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        task_status.started()
+        async for _ in signals:
+            stop.set()
+            return
 
 
 async def exit_on_signals() -> None:

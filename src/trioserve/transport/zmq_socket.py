@@ -16,6 +16,8 @@ from collections.abc import Sequence
 import trio
 import zmq
 
+from trioserve.transport.security import secure
+
 
 class TrioZmqSocket:
     __slots__ = ("_fd", "_sock", "closed")
@@ -43,10 +45,17 @@ class TrioZmqSocket:
         sock.setsockopt(zmq.RCVHWM, rcvhwm)
         if identity is not None:
             sock.setsockopt(zmq.IDENTITY, identity)
-        if bind is not None:
-            sock.bind(bind)
-        if connect is not None:
-            sock.connect(connect)
+        try:
+            # tcp:// (another host): CURVE from the engine secret, or refused (transport/security.py).
+            if bind is not None:
+                secure(sock, bind, bind=True)
+                sock.bind(bind)
+            if connect is not None:
+                secure(sock, connect, bind=False)
+                sock.connect(connect)
+        except BaseException:
+            sock.close(linger=0)
+            raise
         return cls(sock)
 
     @property
@@ -56,6 +65,10 @@ class TrioZmqSocket:
     async def _wait(self, flag: int) -> None:
         while not int(self._sock.getsockopt(zmq.EVENTS)) & flag:
             await trio.lowlevel.wait_readable(self._fd)
+
+    async def wait_readable(self) -> None:
+        """Returns once a message can be received."""
+        await self._wait(zmq.POLLIN)
 
     def try_recv_multipart(self) -> list[bytes] | None:
         """One message if one is queued, else None; never blocks."""
@@ -96,3 +109,22 @@ class TrioZmqSocket:
         self.closed = True
         trio.lowlevel.notify_closing(self._fd)
         self._sock.close(linger=0)
+
+
+async def wait_any_readable(*socks: TrioZmqSocket) -> None:
+    """Returns once one of ``socks`` has a message (the caller owns them all: one waiter each)."""
+    async with trio.open_nursery() as nursery:
+
+        async def first(sock: TrioZmqSocket) -> None:
+            await sock.wait_readable()
+            nursery.cancel_scope.cancel()
+
+        for sock in socks:
+            nursery.start_soon(first, sock)
+
+
+HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)  # monitor events of a peer whose CURVE handshake failed (a wrong engine secret)

@@ -10,10 +10,19 @@ put the sampled tokens (and any logprobs) on the result ring. The engine core ow
   when its workers stop), SIGTERM ends it;
 - a step that raises is reported as ``WorkerFailed`` with the error before the process exits, so the
   engine core can fail the requests with a reason instead of only seeing an exit code.
+
+Tensor parallelism (``tensor_parallel_size`` > 1): this worker is one rank of the engine's group, a
+reader of the one step ring every rank reads (``ring_layout``'s many readers), holding a shard of
+the weights (``worker/tensor_parallel.py``). Each rank runs every step; the layers' all-reduces keep
+them in lockstep. Only rank 0 has the result ring: it says ready once every rank has loaded (the
+group's barrier) with the KV blocks all ranks agreed on, and answers each step. A rank > 0 that fails
+has no one to tell but its log: it exits 1, the engine core sees the exit, and its peers see their
+next all-reduce fail (gloo: the connection closes), so one rank's death ends the engine's step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -24,6 +33,7 @@ import torch
 import transformers
 
 from trioserve.models.geometry import KVGeometry
+from trioserve.models.shard_plan import ShardPlan
 from trioserve.protocol.worker_messages import (
     WorkerFailed,
     WorkerLaunch,
@@ -34,7 +44,8 @@ from trioserve.protocol.worker_messages import (
 )
 from trioserve.runtime.process import set_title, setup_logging
 from trioserve.transport.shm_ring import ReaderDied, RingReader, RingWriter, WriterClosed, WriterDied
-from trioserve.worker.model_runner import ModelRunner, RunnerConfig
+from trioserve.worker.model_runner import ModelRunner, RunnerConfig, TensorParallel
+from trioserve.worker.tensor_parallel import leave_group
 
 log = logging.getLogger("trioserve.worker")
 
@@ -44,7 +55,7 @@ def run_worker(launch: WorkerLaunch | str) -> int:
     ``--launch`` carries it); returns the exit code."""
     if isinstance(launch, str):
         launch = WorkerLaunch.from_json(launch)
-    set_title("Worker" if launch.rank == 0 else f"Worker_TP{launch.rank}")
+    set_title(launch.title)
     setup_logging(launch.log_level)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # No tqdm bars in the server's log: the runner logs one line saying how long loading took.
@@ -63,6 +74,7 @@ def run_worker(launch: WorkerLaunch | str) -> int:
         log.info("worker %d: the engine core is gone; exiting", launch.rank)
         return 0
     finally:
+        leave_group()
         steps.close()
         if results is not None:
             results.close()
@@ -99,15 +111,31 @@ def _serve(launch: WorkerLaunch, steps: RingReader, answer: Callable[[msgspec.St
 
 def _load(launch: WorkerLaunch) -> ModelRunner:
     worker = launch.worker
+    tp_size = launch.tensor_parallel_size
     device = worker.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and tp_size > 1:  # one GPU per rank (NCCL refuses two ranks on one GPU)
+        gpus = torch.cuda.device_count()
+        if tp_size > gpus:
+            raise ValueError(f"-tp {tp_size} on CUDA needs a GPU per rank; this host has {gpus}")
+        device = f"cuda:{launch.rank}"
     dtype: str = worker.dtype
     if dtype == "auto":
-        dtype = "bfloat16" if device == "cuda" else "float32"
-    threads = worker.worker_threads or max(1, (os.cpu_count() or 2) - 1)
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    # The CPU's cores (all but one) are shared by the ranks.
+    threads = worker.worker_threads or max(1, ((os.cpu_count() or 2) - 1) // tp_size)
     geometry = KVGeometry.from_model_dir(launch.model)
+    tp: TensorParallel | None = None
+    if tp_size > 1:
+        if launch.dist_init_method is None:
+            raise ValueError("tensor parallelism needs the engine core's dist_init_method")
+        plan = ShardPlan.from_model_dir(launch.model, tp_size)
+        # Every rank sizes its pool by the largest shard's heads: the same number of blocks on each.
+        geometry = dataclasses.replace(geometry, num_kv_heads=plan.max_kv_heads)
+        tp = TensorParallel(launch.rank, tp_size, launch.dist_init_method, worker.worker_step_timeout)
     num_blocks = launch.num_blocks or geometry.blocks_for(launch.kv_cache_bytes, launch.block_size, dtype)
     if num_blocks < 1:
         raise ValueError(f"{launch.kv_cache_bytes} bytes of KV cache hold no block of {launch.block_size}")
-    return ModelRunner.load(RunnerConfig(launch.model, num_blocks, launch.block_size, device, dtype, threads))
+    config = RunnerConfig(launch.model, num_blocks, launch.block_size, device, dtype, threads, tp)
+    return ModelRunner.load(config)

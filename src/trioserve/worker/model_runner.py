@@ -30,6 +30,12 @@ until then. Each step's prompt logprobs are sent for the prompt tokens it made k
 the scheduler gathers them for the request's first output; it also sees that such a request's prompt
 is computed from position 0 (no prefix-cache hit: a cached prefix has no logits) and that a request
 that has sent them does not ask again after a preemption.
+
+Tensor parallelism (``RunnerConfig.tensor_parallel``): every rank runs this same code on the same
+steps with its shard of the weights (``worker/tensor_parallel.py``) and a KV cache for its own
+key/value heads, so block tables and layouts are identical on every rank. Only the output rank
+(rank 0) runs the LM head, keeps sampler state and samples, from logits that are complete there (the
+hidden states are replicated after every all-reduce, the LM head is not sharded).
 """
 
 from __future__ import annotations
@@ -43,11 +49,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from trioserve.models.geometry import KVGeometry
+from trioserve.models.shard_plan import ShardPlan
 from trioserve.protocol.messages import SamplingParams, TokenLogprobs
 from trioserve.protocol.step import SchedulerOutput
 from trioserve.protocol.worker_messages import StepResult
 from trioserve.worker.paged_attention import ATTN_IMPLEMENTATION, BatchLayout, PagedKVCache, PrefillSpan
 from trioserve.worker.sampler import RequestProcessors, Sampler, SamplingRow, token_logprobs
+from trioserve.worker.tensor_parallel import all_reduce_min, init_group, shard_model
 
 log = logging.getLogger("trioserve.worker")
 
@@ -62,6 +70,17 @@ class RunnerConfig:
     device: str = "cpu"
     dtype: str = "float32"
     num_threads: int = 0  # torch intra-op threads on the CPU; 0: torch's default
+    tensor_parallel: TensorParallel | None = None  # None: the whole model in this process
+
+
+@dataclass(frozen=True, slots=True)
+class TensorParallel:
+    """This worker's place in its engine's tensor-parallel group (``worker/tensor_parallel.py``)."""
+
+    rank: int
+    size: int
+    init_method: str  # the rendezvous store the engine core named
+    timeout: float = 300.0  # joining, and any one collective
 
 
 @dataclass(slots=True)
@@ -84,19 +103,33 @@ class _Scheduled:
 
 
 class ModelRunner:
-    def __init__(self, model: Any, num_blocks: int, block_size: int) -> None:
+    """Runs ``model`` (whole, or this rank's shard of it: ``kv_heads`` then says how many key/value
+    heads the shard holds). Only the output rank (``output_rank``, tensor-parallel rank 0) runs the LM
+    head, samples and keeps sampler state; the other ranks run the same forward for its all-reduces
+    and answer nothing (their ``StepResult`` is empty)."""
+
+    def __init__(
+        self,
+        model: Any,
+        num_blocks: int,
+        block_size: int,
+        *,
+        kv_heads: int | None = None,
+        output_rank: bool = True,
+    ) -> None:
         self.model = model
         self.device: torch.device = model.device
         geometry = KVGeometry.from_mapping(model.config.to_dict())
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.output_rank = output_rank
         self.load_seconds = 0.0  # set by load()
         self.vocab_size = geometry.vocab_size
         self.cache = PagedKVCache(
             geometry.num_layers,
             num_blocks,
             block_size,
-            geometry.num_kv_heads,
+            kv_heads or geometry.num_kv_heads,
             geometry.head_dim,
             model.dtype,
             self.device,
@@ -109,23 +142,43 @@ class ModelRunner:
 
     @classmethod
     def load(cls, config: RunnerConfig) -> ModelRunner:
+        """Load the model; with ``tensor_parallel``, join the group first, then keep this rank's shard
+        and agree on the smallest KV pool any rank holds (the ledger's blocks are the same ids on
+        every rank)."""
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
         started = time.perf_counter()
+        tp = config.tensor_parallel
+        device = torch.device(config.device)
+        if tp is not None:
+            init_group(tp.init_method, tp.rank, tp.size, device, tp.timeout)
         model: Any = AutoModelForCausalLM.from_pretrained(
             config.model, dtype=_DTYPES[config.dtype], attn_implementation=ATTN_IMPLEMENTATION
         )
-        model = model.to(config.device).eval()
-        runner = cls(model, config.num_blocks, config.block_size)
+        model = model.to(device).eval()
+        num_blocks, kv_heads, shard = config.num_blocks, None, ""
+        if tp is not None:
+            plan = ShardPlan.from_mapping(model.config.to_dict(), tp.size)
+            held = shard_model(model, plan, tp.rank)
+            kv_heads = len(held.kv_heads)
+            num_blocks = all_reduce_min(num_blocks, device)
+            shard = (
+                f"; tensor-parallel rank {tp.rank} of {tp.size}: query heads {_span(held.q_heads)}, "
+                f"key/value heads {_span(held.kv_heads)}, MLP columns {_span(held.mlp_columns)}"
+            )
+        runner = cls(
+            model, num_blocks, config.block_size, kv_heads=kv_heads, output_rank=tp is None or tp.rank == 0
+        )
         runner.load_seconds = time.perf_counter() - started
         log.info(
-            "loaded %s on %s (%s) in %.1f s; KV cache: %d blocks of %d tokens",
+            "loaded %s on %s (%s) in %.1f s; KV cache: %d blocks of %d tokens%s",
             config.model,
-            config.device,
+            device,
             config.dtype,
             runner.load_seconds,
-            config.num_blocks,
+            num_blocks,
             config.block_size,
+            shard,
         )
         return runner
 
@@ -154,7 +207,8 @@ class ModelRunner:
                 s,
                 new.num_prompt_tokens,
                 tuple(stop_ids),
-                self.sampler.processors(s, new.num_prompt_tokens),
+                # Sampler state lives where sampling happens: the output rank only.
+                self.sampler.processors(s, new.num_prompt_tokens) if self.output_rank else None,
             )
             scheduled.append(_Scheduled(new.request_id, new.token_ids, new.num_computed_tokens, new.samples))
         for running in step.running_requests:
@@ -224,11 +278,12 @@ class ModelRunner:
             input_ids=ids,
             position_ids=torch.tensor([positions], device=dev),
             use_cache=False,
-            logits_to_keep=torch.tensor(keep, dtype=torch.long, device=dev),
+            # The other tensor-parallel ranks run no LM head: only the output rank samples.
+            logits_to_keep=torch.tensor(keep if self.output_rank else [], dtype=torch.long, device=dev),
             trioserve_layout=layout,
             trioserve_cache=self.cache,
         )
-        if not keep:
+        if not keep or not self.output_rank:
             return StepResult(step, {})
         logits = out.logits[0]
         prompt_logprobs = self._prompt_logprobs(logits, prompt_spans) if prompt_spans else None
@@ -330,3 +385,7 @@ class ModelRunner:
             decode_mask=decode_mask,
             prefills=tuple(prefills),
         )
+
+
+def _span(r: range) -> str:
+    return f"{r.start}..{r.stop - 1}" if len(r) > 1 else str(r.start)

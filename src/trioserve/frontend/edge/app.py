@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import msgspec
 from quart import Response as QuartResponse
@@ -53,7 +53,9 @@ def _version() -> str:
         return "unknown"
 
 
-def create_app(serving: Serving, metrics_text: Callable[[], str], max_request_body_bytes: int) -> QuartTrio:
+def create_app(
+    serving: Serving, metrics_text: Callable[[], Awaitable[str]], max_request_body_bytes: int
+) -> QuartTrio:
     served = serving.model
     app = QuartTrio("trioserve")
     app.config["MAX_CONTENT_LENGTH"] = max_request_body_bytes
@@ -99,7 +101,7 @@ def create_app(serving: Serving, metrics_text: Callable[[], str], max_request_bo
 
     @app.get("/metrics")
     async def metrics() -> QuartResponse:
-        return QuartResponse(metrics_text(), status=200, content_type="text/plain; version=0.0.4")
+        return QuartResponse(await metrics_text(), status=200, content_type="text/plain; version=0.0.4")
 
     def model_card(name: str) -> dict[str, object]:
         return {

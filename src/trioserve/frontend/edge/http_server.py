@@ -42,6 +42,7 @@ import trio
 
 from trioserve.config import AccessConfig
 from trioserve.frontend.access_log import AccessLog, AccessRecord
+from trioserve.frontend.edge.accept_balance import AcceptBalance
 from trioserve.frontend.edge.access import REQUEST_ID_HEADER, Gate, Verdict
 from trioserve.frontend.edge.asgi_host import AsgiHost
 from trioserve.frontend.edge.http_sink import HttpSink, send_all
@@ -422,9 +423,11 @@ class HttpServer:
         max_connections: int = 0,
         gate: Gate | None = None,
         access_log: AccessLog | None = None,
+        accept_balance: AcceptBalance | None = None,
     ) -> None:
         """``gate``: what every request head is checked against (by default: no API key, CORS for
-        every origin); ``access_log``: None writes none."""
+        every origin); ``access_log``: None writes none; ``accept_balance``: when several API servers
+        share the listener, least-loaded accept (``accept_balance.py``; None: accept at once)."""
         self.serving = serving
         self.asgi = asgi
         self.upgrade = upgrade
@@ -441,6 +444,13 @@ class HttpServer:
         self._accepting = trio.CancelScope()
         self._listener: socket.socket | None = None
         self._backoff = AcceptBackoff()
+        self._accept_balance = accept_balance
+        # With peers, one accept per wake: the next connection goes to whoever is least loaded then.
+        self._accept_batch = _ACCEPT_BATCH if accept_balance is None else 1
+
+    def _connections_changed(self) -> None:
+        if self._accept_balance is not None:  # peers read it when they decide whether to defer
+            self._accept_balance.publish(self.connections)
 
     def drain(self) -> None:
         """Graceful shutdown, step one: the listener closes (new connections are refused by the
@@ -448,6 +458,8 @@ class HttpServer:
         ``Connection: close``. Running requests go on (``Serving.drained`` says when they are done)."""
         self.draining = True
         self._accepting.cancel()
+        if self._accept_balance is not None:
+            self._accept_balance.retire()  # peers must not defer to a server that no longer accepts
         if self._listener is not None:
             trio.lowlevel.notify_closing(self._listener)
             self._listener.close()
@@ -480,10 +492,15 @@ class HttpServer:
             with self._accepting:
                 while True:
                     await trio.lowlevel.wait_readable(listener)
-                    for _ in range(_ACCEPT_BATCH):
+                    if self._accept_balance is not None:
+                        await self._accept_balance.wait_turn(self.connections)
+                    for n in range(self._accept_batch):
                         try:
                             sock, _ = listener.accept()
-                        except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+                        except (BlockingIOError, InterruptedError, ConnectionAbortedError) as exc:
+                            balance = self._accept_balance
+                            if n == 0 and balance is not None and isinstance(exc, BlockingIOError):
+                                balance.lost_races += 1  # a peer took it
                             break
                         except OSError as exc:
                             if exc.errno not in _RESOURCE_ERRNOS:
@@ -498,6 +515,7 @@ class HttpServer:
                         # Counted here, not when its task starts: a batch of accepts has no
                         # checkpoint, and the limit must hold within one.
                         self.connections += 1
+                        self._connections_changed()
                         nursery.start_soon(partial(self.handle_connection, sock, counted=True))
 
     async def _out_of_resources(self, exc: OSError) -> None:
@@ -524,6 +542,7 @@ class HttpServer:
         conn = HttpConnection(sock, self)
         if not counted:
             self.connections += 1
+            self._connections_changed()
         self._open.add(conn)
         try:
             await conn.run()
@@ -538,6 +557,7 @@ class HttpServer:
             finally:
                 self._open.discard(conn)
                 self.connections -= 1
+                self._connections_changed()
                 self._closed.set()
                 if not conn.upgraded:
                     trio.lowlevel.notify_closing(sock)

@@ -289,3 +289,12 @@ class OutputHandler:
         for response in responses.values():
             response.fail(status, message)
         self.choices.clear()
+
+    def fail(self, request_ids: list[str], status: int, message: str) -> None:
+        """The responses these engine requests belong to end with an error (their engine is gone
+        while others serve); like ``fail_all``, each end aborts the response's other choices."""
+        responses = {id(c.response): c.response for rid in request_ids if (c := self.choices.get(rid))}
+        for response in responses.values():
+            response.fail(status, message)
+            for rid in response.request_ids:
+                self.choices.pop(rid, None)
