@@ -215,16 +215,12 @@ def run_serve(config: ServeConfig) -> int:
     for name in sweep_stale():
         log.info("removed %s, the IPC folder of an API server that was killed", name)
     with make_ipc_dir() as ipc_dir:
+        main = serve
         if config.supervised:
-            from trioserve.launch.supervisor import run_supervisor
-
-            try:
-                return run_supervisor(config, listener, ipc_dir)
-            finally:
-                listener.close()
+            from trioserve.launch.supervisor import supervise as main
         failed = False
         try:
-            trio.run(serve, config, listener, ipc_dir)
+            trio.run(main, config, listener, ipc_dir)
         except* (EngineStartupError, EngineFailed) as group:
             failed = True
             for error in group.exceptions:

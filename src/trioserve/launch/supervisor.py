@@ -49,14 +49,13 @@ from trioserve.launch.children import ChildCommand, child_command
 from trioserve.launch.engine_supervisor import (
     SILENCE_CHECK,
     EngineFailed,
-    EngineStartupError,
     EngineSupervisor,
     RestartBackoff,
     exit_text,
 )
 from trioserve.protocol.codec import engine_output_codec
 from trioserve.protocol.messages import EngineDead
-from trioserve.runtime.process import set_title, until_first, watch_signals
+from trioserve.runtime.process import until_first, watch_signals
 from trioserve.runtime.reaper import TERM_GRACE, reap
 from trioserve.transport.security import SECRET_ENV, serve_zap
 from trioserve.transport.zmq_socket import TrioZmqSocket
@@ -343,16 +342,3 @@ def _engine_supervisor(
 async def _discard(queue: StepQueue) -> None:
     while True:
         await queue.get()
-
-
-def run_supervisor(config: ServeConfig, listener: socket.socket, ipc_dir: str) -> int:
-    """The supervisor's main, given the listening socket and the IPC folder (``launch.serve``)."""
-    set_title("Supervisor")
-    failed = False
-    try:
-        trio.run(supervise, config, listener, ipc_dir)
-    except* (EngineStartupError, EngineFailed) as group:
-        failed = True
-        for error in group.exceptions:
-            log.error("%s", error)  # noqa: TRY400  (the message says it all; no traceback)
-    return 1 if failed else 0
