@@ -138,6 +138,7 @@ def engine_host(hosts: Hosts, tmp_path: Path, secret: str, name: str) -> Proc:
     )  # fmt: skip
 
 
+@pytest.mark.long  # the wrong-secret test below ends with the right engine joining and serving
 def test_an_engine_on_another_host_joins_over_tcp_and_serves(hosts: Hosts, tmp_path: Path) -> None:
     api = api_side(hosts, tmp_path)
     remote = engine_host(hosts, tmp_path, "the right secret", "engine_host")
@@ -174,7 +175,11 @@ def test_an_engine_with_a_wrong_secret_never_joins(hosts: Hosts, tmp_path: Path)
     try:
         api.wait_log("engine 1 ready (mock")
         api.wait_log("API server 0 ready")
-        assert complete(hosts)["choices"]
+        for _ in range(4):
+            assert complete(hosts)["choices"]
+        # No secret on any command line of the API host's processes or the engine host's.
+        for pid in (api.proc.pid, remote.proc.pid):
+            assert b"the right secret" not in Path(f"/proc/{pid}/cmdline").read_bytes()
     finally:
         assert api.stop() == 0, api.log()[-3000:]
         remote.stop()

@@ -115,8 +115,9 @@ def supervised(tmp_path: Path, name: str, *flags: str) -> Iterator[Server]:
     ("flags", "api", "dp"),
     [
         # The other rows: (), in test_process_tree.py; --api-server-count 2 and -dp 2
-        # --api-server-count 1, in the fault tests below, which check them first.
-        (("-dp", "2"), 2, 2),
+        # --api-server-count 1, in the fault tests below, which check them first. -dp 2 alone (its API
+        # server count defaulting to 2: test_config.py) under -m long.
+        pytest.param(("-dp", "2"), 2, 2, marks=pytest.mark.long),
         (("--api-server-count", "3", "-dp", "2"), 3, 2),
     ],
 )

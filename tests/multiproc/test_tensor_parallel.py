@@ -124,6 +124,8 @@ def test_greedy_with_two_ranks_equals_one_token_for_token(tiny_family: Path, tmp
     one = serve_greedy(tiny_family, tmp_path, "tp1", PROMPTS, *flags)
     with running_model_server(tiny_family, tmp_path, "tp2", "-tp", "2", *flags, timeout=TIMEOUT) as server:
         ranks = workers(server)
+        # docs/processes.md's -tp 2 row: APIServer, EngineCore (wait_ready checked it), two ranks.
+        assert proc_title(server.pid) == "trioserve::APIServer"
         assert sorted(ranks) == ["trioserve::Worker_TP0", "trioserve::Worker_TP1"]
         created = {s for pid in ranks.values() for s in segments_of(pid)}
         assert len(created) == 2, created  # one step ring read by both ranks, one result ring
@@ -231,7 +233,11 @@ def patient_wait_ready(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize(
     ("flags", "api", "dp"),
-    [(("-tp", "2"), 1, 1), pytest.param(("-tp", "2", "-dp", "2"), 2, 2, marks=pytest.mark.long)],
+    # -tp 2 alone: the default run checks that row in the greedy test above.
+    [
+        pytest.param(("-tp", "2"), 1, 1, marks=pytest.mark.long),
+        pytest.param(("-tp", "2", "-dp", "2"), 2, 2, marks=pytest.mark.long),
+    ],
 )
 def test_the_process_formula_with_tensor_parallel_workers(
     tiny_model: Path,

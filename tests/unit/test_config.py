@@ -75,3 +75,12 @@ def test_stream_policy_parses_its_setting() -> None:
     assert streams.policy == StreamPolicy("queue", queue_events=3, slow_client_max_tokens=9)
     with pytest.raises(ValueError, match="queue:N needs N >= 1"):
         StreamPolicy.parse("queue:0")
+
+
+def test_the_api_server_count_defaults_to_the_data_parallel_size() -> None:
+    """vLLM's rule (docs/processes.md): --api-server-count 0 (the default) means -dp's value."""
+    assert ServeConfig().api_server_count == 1 and not ServeConfig().supervised
+    dp = override(ServeConfig(), data_parallel_size=3)
+    assert dp.api_server_count == 3 and dp.supervised
+    assert override(dp, api_server_count=1).api_server_count == 1
+    assert override(ServeConfig(), api_server_count=2).supervised

@@ -65,12 +65,13 @@ class ApiServer:
         ipc_dir: str | None = None,
         coordinator_address: str = "",
         accept_balance: AcceptBalance | None = None,
+        restarted: bool = False,
     ) -> None:
         """``engine_output_hwm``: the receiving end of the engines' output sockets (their section's
         setting, as both ends of a ZMQ pair set it); ``engine_ready_timeout``: how long ``run`` waits
         for the engines. Under a supervisor: this server's ``client_index`` of ``api_server_count``,
-        the supervisor's ``ipc_dir``, the DP coordinator's PUB (``coordinator_address``), and the
-        accept balance shared with the other API servers."""
+        the supervisor's ``ipc_dir``, the DP coordinator's PUB (``coordinator_address``), the
+        accept balance shared with the other API servers, and whether it replaces one that died."""
         self.engine_ready_timeout = engine_ready_timeout
         self.frontend = frontend
         self.client_index = client_index
@@ -92,9 +93,10 @@ class ApiServer:
             client_index=client_index,
             output_hwm=engine_output_hwm,
             policy=self.policy,
-            # Under the supervisor the engines joined before any API server started; a restarted API
-            # server serves through the engines that are up while another is away.
-            ready_with_one=addresses.handshake is None,
+            # At start every engine is up (the supervisor waited for them): wait for all, or the first
+            # requests would all go to whichever said Ready first. A restarted API server serves
+            # through the engines that are up while another may be away.
+            ready_with_one=restarted,
         )
         self._ctx = ctx
         streams = frontend.streams

@@ -72,9 +72,10 @@ def api_server(
     ipc_dir: str | None = None,
     coordinator_address: str = "",
     connection_loads: str = "",
+    incarnation: int = 0,
 ) -> ApiServer:
     """An API server, given its sections of ``config``; under a supervisor, its place in the tree
-    (``launch/api_server_main.py``)."""
+    (``launch/api_server_main.py``; ``incarnation`` > 0: it replaces one that died)."""
     count = config.api_server_count
     balance = None
     if connection_loads:
@@ -95,6 +96,7 @@ def api_server(
         ipc_dir=ipc_dir,
         coordinator_address=coordinator_address,
         accept_balance=balance,
+        restarted=incarnation > 0,
     )
 
 
