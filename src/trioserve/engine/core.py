@@ -21,6 +21,13 @@ to ``max_tokens`` with nobody reading it.
 A request the core refuses (``add`` returns an error output) is answered with the next outputs to its
 API server, or at once when no step is due.
 
+``ClientReset(i)`` (the first message of a restarted API server, docs/processes.md) aborts every request
+the core holds for client index ``i``: they belonged to the process that died. Each input pump also
+says Ready again whenever its socket's connection is made anew (engine/handshake.py). With a DP
+coordinator, the busy loop sends it this engine's load (``engine/load_report.py``'s rule) and its prefix
+cache's stored and evicted blocks (``engine/kv_events.py``) after each step and when idle, never waiting
+on the socket.
+
 Stats-only messages (``engine.output_pump.Heartbeat``): right after the step in which the last request
 finished or was aborted, and every ``HEARTBEAT_INTERVAL`` to an API server that heard nothing
 meanwhile; the idle loop waits for work at most until the next one is due. Between steps the busy loop
