@@ -437,6 +437,14 @@ def serve_config(ns: argparse.Namespace, environ: Mapping[str, str] | None = Non
         except ValueError as exc:
             raise ValueError(f"argument --chat-template: {exc}") from None
     config = override(ServeConfig(), **values)
+    if config.engine.handshake_address:
+        from trioserve.launch.addresses import AddressLayout
+        from trioserve.transport.security import require_secret_for
+
+        AddressLayout.of(config.engine.handshake_address, "")  # a TCP one needs a reachable IP:PORT
+        require_secret_for(config.engine.handshake_address, config.engine.engine_secret)
+    if "dispatch" in values and config.engine.data_parallel_size == 1:
+        raise ValueError("argument --dispatch: it chooses between engine cores; it needs -dp above 1")
     model = config.model
     if config.engine.kind == "reference" and not model.served_model_name and model.model is None:
         config = override(config, served_model_name=("trioserve-reference",))
@@ -462,10 +470,13 @@ def engine_process_config(
     config = override(EngineProcessConfig(), **values)
     if not config.engine.handshake_address:
         raise ValueError("the following arguments are required: --handshake-address")
-    from trioserve.transport.security import configure_security, require_secret_for
+    from trioserve.transport.security import require_secret_for
 
-    configure_security(config.engine.engine_secret)
-    require_secret_for(config.engine.handshake_address)
+    require_secret_for(config.engine.handshake_address, config.engine.engine_secret)
+    if not config.engine.headless:
+        for name in ("data_parallel_size_local", "data_parallel_start_rank"):
+            if name in values:
+                raise ValueError(f"argument {_flag(name)}: only with --headless (else --engine-index)")
     if config.engine.kind == "model" and config.model.model is None:
         raise ValueError("--engine model needs --model (a Hugging Face folder)")
     check_tensor_parallel(config.engine.kind, config.model, config.worker)
@@ -478,6 +489,10 @@ def check_tensor_parallel(kind: str, model: ModelConfig, worker: WorkerConfig) -
     from trioserve.models.shard_plan import ShardPlan
 
     folder = model.model
+    if worker.tensor_parallel_size > 1 and kind != "model":
+        raise ValueError(
+            f"argument --tensor-parallel-size: it shards a model's weights; not for --engine {kind}"
+        )
     if kind != "model" or worker.tensor_parallel_size == 1 or folder is None:
         return
     if (Path(folder) / "config.json").is_file():  # a folder that is not a model fails where it always has

@@ -20,7 +20,7 @@ import torch
 import trio
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from trioserve.frontend.text.tokenizer import load_tokenizer
+from trioserve.frontend.text.tokenizer import Tokenizer, load_tokenizer
 
 from ._support import RawHttp, post, proc_children, proc_title, request_json, sse_chunks, summarize
 from .conftest import ServerProcess
@@ -52,23 +52,28 @@ def segments_of(pid: int) -> set[str]:
     return {line.rsplit("/", 1)[1].removesuffix(" (deleted)") for line in lines}
 
 
+def tiny_config(tokenizer: Tokenizer) -> dict[str, Any]:
+    """A tiny random model's shape (hidden 64, 2 layers, 4 query heads, 2 key/value heads) for the
+    Qwen3 tokenizer: Llama's and Qwen3's configs take the same names."""
+    return {
+        "vocab_size": tokenizer.vocab_size,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 512,
+        "eos_token_id": tokenizer.eos_token_id,
+    }
+
+
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("tiny-llama")
     tokenizer = load_tokenizer(None)
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=tokenizer.vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    LlamaForCausalLM(config).save_pretrained(folder)
+    LlamaForCausalLM(LlamaConfig(**tiny_config(tokenizer))).save_pretrained(folder)
     tokenizer.hf_tokenizer.save_pretrained(folder)
     return folder
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import http.client
 import os
 import re
 import signal
@@ -167,6 +168,22 @@ def pids_titled(server: Server, prefix: str) -> dict[str, int]:
     return {t.removeprefix("trioserve::"): p for p, t in found if t.startswith(f"trioserve::{prefix}")}
 
 
+def metrics(server: Server) -> dict[str, float]:
+    """``/metrics`` from whichever API server accepts: sample (name and labels) -> value."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    try:
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            sample, _, value = line.rpartition(" ")
+            out[sample] = float(value)
+    return out
+
+
 async def complete(server: Server) -> int:
     async with await RawHttp.connect("127.0.0.1", server.port) as conn:
         await conn.send(post("/v1/completions", {"model": "trioserve-mock", "prompt": "hi", "max_tokens": 4}))
@@ -207,6 +224,13 @@ async def test_an_api_server_killed_is_restarted_while_the_other_serves(tmp_path
         with trio.fail_after(TIMEOUT):
             for _ in range(5):
                 assert await complete(server) == 200
+        # Both API servers' accept balance is on /metrics, whichever answers.
+        shown = metrics(server)
+        for index in (0, 1):
+            assert any(
+                k.startswith("trioserve:accept_lost_races_total") and f'api_server="{index}"' in k
+                for k in shown
+            )
 
 
 async def test_an_engine_core_killed_fails_only_its_requests_and_the_other_serves(tmp_path: Path) -> None:
@@ -245,3 +269,10 @@ async def test_an_engine_core_killed_fails_only_its_requests_and_the_other_serve
         with trio.fail_after(TIMEOUT):
             for _ in range(4):
                 assert await complete(server) == 200
+        # The API server follows the DP coordinator (a snapshot at least every second).
+        assert (
+            sum(
+                v for k, v in metrics(server).items() if k.startswith("trioserve:coordinator_snapshots_total")
+            )
+            > 0
+        )

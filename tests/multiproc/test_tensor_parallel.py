@@ -15,7 +15,6 @@ import sys
 import textwrap
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -36,6 +35,7 @@ from .test_model_engine import (
     shm_segments,
     start_model_server,
     stream,
+    tiny_config,
     tiny_model,
 )
 from .test_scale_out import expected_titles, helpers, supervised, wait_titles
@@ -61,17 +61,7 @@ def tiny_family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
     folder = tmp_path_factory.mktemp(f"tiny-{family}")
     tokenizer = load_tokenizer(None)
     torch.manual_seed(0)
-    common: dict[str, Any] = dict(
-        vocab_size=tokenizer.vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        eos_token_id=tokenizer.eos_token_id,
-    )
+    common = tiny_config(tokenizer)
     model = (
         LlamaForCausalLM(LlamaConfig(**common))
         if family == "llama"

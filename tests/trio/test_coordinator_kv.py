@@ -152,5 +152,5 @@ def test_the_engine_client_hands_each_adds_own_key_to_pick(ctx: Ctx) -> None:  #
     sent = [client.next_frame({0, 1}) for _ in range(2)]
     assert [engine for engine, _ in (s for s in sent if s is not None)] == [1, 0]
     assert client.next_frame({0, 1}) is None
-    assert client.in_flight(1) == 1 and client.in_flight(0) == 1
+    assert policy.load.in_flight(1) == 1 and policy.load.in_flight(0) == 1
     assert client.dropped_adds == 1

@@ -114,6 +114,12 @@ def test_serve_hands_the_engine_core_one_value() -> None:
         ["serve", "--stream-policy", "queue:0"],
         ["serve", "--port", "70000"],
         ["serve", "--kv-cache-gib", "0"],
+        # Flags that would have no effect are refused (docs/processes.md, docs/remote_engines.md).
+        ["serve", "--engine", "mock", "--dispatch", "prefix"],
+        ["serve", "--engine", "mock", "-tp", "2"],
+        ["serve", "--engine", "mock", "-dp", "2", "--handshake-address", "tcp://127.0.0.1:7100"],
+        ["engine-core", "--handshake-address", "ipc:///tmp/x", "--data-parallel-size-local", "2"],
+        ["engine-core", "--handshake-address", "ipc:///tmp/x", "--data-parallel-start-rank", "1"],
         ["engine-core", "--config-json", "{}", "--block-size", "8"],
         ["engine-core", "--engine", "external", "--handshake-address", "x"],
         ["mock-engine"],

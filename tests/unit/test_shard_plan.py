@@ -192,4 +192,5 @@ def test_the_command_line_refuses_a_size_before_anything_starts(tmp_path: Path) 
     check_tensor_parallel("model", model, WorkerConfig(tensor_parallel_size=2))  # fits
     with pytest.raises(ShardPlanError, match="tensor-parallel size 3"):
         check_tensor_parallel("model", model, WorkerConfig(tensor_parallel_size=3))
-    check_tensor_parallel("mock", model, WorkerConfig(tensor_parallel_size=3))  # no workers: no check
+    with pytest.raises(ValueError, match="not for --engine mock"):  # no workers: -tp would do nothing
+        check_tensor_parallel("mock", model, WorkerConfig(tensor_parallel_size=2))

@@ -247,6 +247,38 @@ class ApiServer:
         f = self.metric_families()
         return self.metrics.render(f.gauges, f.counters, f.rejected)
 
+    def _scale_out_families(
+        self, gauges: dict[str, tuple[str, float]], counters: dict[str, tuple[str, float]]
+    ) -> None:
+        """The accept balance's and the coordinator link's series, where there are several API servers
+        or engines (a lone API server's /metrics stays as it was)."""
+        balance = self.http.accept_balance
+        if balance is not None:
+            counters["trioserve:accept_deferrals_total"] = (
+                "1 ms waits before accept because another API server had fewer connections.",
+                balance.deferrals,
+            )
+            counters["trioserve:accept_lost_races_total"] = (
+                "Wakes whose accept found the connection taken by another API server.",
+                balance.lost_races,
+            )
+        if self.coordinator_address:
+            link = self.coordinator
+            age = link.age(trio.current_time())
+            gauges["trioserve:coordinator_snapshot_age_seconds"] = (
+                "Seconds since the DP coordinator's last load snapshot arrived (-1: none yet).",
+                -1.0 if age is None else age,
+            )
+            counters["trioserve:coordinator_snapshots_total"] = (
+                "Load snapshots read from the DP coordinator.",
+                link.received,
+            )
+            counters["trioserve:coordinator_kv_gaps_total"] = (
+                "Times prefix-cache events from the coordinator were lost (the prefix index is a stale "
+                "hint until the next re-sync).",
+                link.kv_gaps,
+            )
+
     def metric_families(self) -> Families:
         """Every value ``/metrics`` shows that is read live (at scrape time, off the token path)."""
         stats = self.handler.engine_stats.values()
@@ -255,7 +287,7 @@ class ApiServer:
         renderer = self.serving.renderer
         output_delay = self.handler.output_delay()
         admission.observe_output_delay(output_delay)  # the gate as of now, not of the last request
-        gauges = {
+        gauges: dict[str, tuple[str, float]] = {
             "vllm:num_requests_running": (
                 "Requests running in the engines.",
                 sum(s.num_running for s in stats),
@@ -307,7 +339,7 @@ class ApiServer:
             ),
             **self._stream_backlog(),
         }
-        counters = {
+        counters: dict[str, tuple[str, float]] = {
             "trioserve:output_queue_coalesced_total": (
                 "Engine steps folded into a queued step (output queue full).",
                 self.steps.coalesced,
@@ -366,5 +398,6 @@ class ApiServer:
                 sum(s.prefix_cache_hits for s in stats),
             ),
         }
+        self._scale_out_families(gauges, counters)
         # No engine stats yet: the least fresh view, so a peer's that has some wins (metrics.py).
         return Families(gauges, counters, dict(admission.rejected), max(ages, default=math.inf))

@@ -180,10 +180,6 @@ class EngineClient:
         healthy = [i for i in up if (h := health.get(i)) is None or h.state(now) is None]
         return healthy or up
 
-    def in_flight(self, index: int) -> int:
-        """Requests sent to engine ``index`` and not finished (several engines only)."""
-        return sum(1 for e in self._placed.values() if e == index)
-
     # ---- called from any task; never blocks -------------------------------------------------------
 
     def add(self, request: AddRequest) -> None:
@@ -333,10 +329,6 @@ class EngineClient:
         if self.policy is None or not self.up_engines():
             lost = None  # nothing is left: every request fails, and new ones are refused
         self._on_dead(reason, lost, retry_after)
-
-    def mark_dead(self, reason: str) -> None:
-        """Engine 0 is dead (one engine: the engine)."""
-        self.engine_died(0, reason)
 
     async def _greet(self, hs: TrioZmqSocket) -> None:
         """Owns the handshake socket: every engine's Hello, the first or a later one, gets Welcome and

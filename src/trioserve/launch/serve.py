@@ -38,7 +38,7 @@ from trioserve.runtime.process import (
     until_first,
     watch_signals,
 )
-from trioserve.transport.security import configure_security, require_secret_for, serve_zap
+from trioserve.transport.security import configure_security, serve_zap
 
 log = logging.getLogger("trioserve")
 
@@ -193,14 +193,7 @@ def run_serve(config: ServeConfig) -> int:
     engine cores, the supervisor's tree (``launch/supervisor.py``)."""
     set_title("Supervisor" if config.supervised else "APIServer")
     setup_logging(config.log_level)
-    configure_security(config.engine.engine_secret)
-    try:
-        AddressLayout.of(config.engine.handshake_address, "")
-        if config.engine.handshake_address:
-            require_secret_for(config.engine.handshake_address)
-    except ValueError as exc:
-        print(f"trioserve serve: error: {exc}", file=sys.stderr)
-        return 2
+    configure_security(config.engine.engine_secret)  # the address and secret were checked in cli.py
     if config.engine.kind == "model":
         try:
             config = resolve_model(config)

@@ -83,9 +83,10 @@ def configured() -> Curve | None:
     return _curve
 
 
-def require_secret_for(address: str) -> None:
-    """Raises ``InsecureAddress`` for a ``tcp://`` address when no secret is configured."""
-    if address.startswith("tcp://") and _curve is None:
+def require_secret_for(address: str, secret: str | None = None) -> None:
+    """Raises ``InsecureAddress`` for a ``tcp://`` address without a secret: ``secret`` when given
+    (checking a configuration), else this process's (``configure``)."""
+    if address.startswith("tcp://") and not secret and _curve is None:
         raise InsecureAddress(
             f"{address} is a TCP address: engines on other hosts need --engine-secret "
             f"(or {SECRET_ENV}) so that nobody else can join"

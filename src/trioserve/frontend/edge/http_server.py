@@ -444,13 +444,13 @@ class HttpServer:
         self._accepting = trio.CancelScope()
         self._listener: socket.socket | None = None
         self._backoff = AcceptBackoff()
-        self._accept_balance = accept_balance
+        self.accept_balance = accept_balance
         # With peers, one accept per wake: the next connection goes to whoever is least loaded then.
         self._accept_batch = _ACCEPT_BATCH if accept_balance is None else 1
 
     def _connections_changed(self) -> None:
-        if self._accept_balance is not None:  # peers read it when they decide whether to defer
-            self._accept_balance.publish(self.connections)
+        if self.accept_balance is not None:  # peers read it when they decide whether to defer
+            self.accept_balance.publish(self.connections)
 
     def drain(self) -> None:
         """Graceful shutdown, step one: the listener closes (new connections are refused by the
@@ -458,8 +458,8 @@ class HttpServer:
         ``Connection: close``. Running requests go on (``Serving.drained`` says when they are done)."""
         self.draining = True
         self._accepting.cancel()
-        if self._accept_balance is not None:
-            self._accept_balance.retire()  # peers must not defer to a server that no longer accepts
+        if self.accept_balance is not None:
+            self.accept_balance.retire()  # peers must not defer to a server that no longer accepts
         if self._listener is not None:
             trio.lowlevel.notify_closing(self._listener)
             self._listener.close()
@@ -492,13 +492,13 @@ class HttpServer:
             with self._accepting:
                 while True:
                     await trio.lowlevel.wait_readable(listener)
-                    if self._accept_balance is not None:
-                        await self._accept_balance.wait_turn(self.connections)
+                    if self.accept_balance is not None:
+                        await self.accept_balance.wait_turn(self.connections)
                     for n in range(self._accept_batch):
                         try:
                             sock, _ = listener.accept()
                         except (BlockingIOError, InterruptedError, ConnectionAbortedError) as exc:
-                            balance = self._accept_balance
+                            balance = self.accept_balance
                             if n == 0 and balance is not None and isinstance(exc, BlockingIOError):
                                 balance.lost_races += 1  # a peer took it
                             break
