@@ -41,6 +41,15 @@ from trioserve.config import (
     override,
     with_secrets,
 )
+from trioserve.runtime.placement import (
+    DEVICE_IDS_HELP,
+    PlacementError,
+    available_cpus,
+    check_placement,
+    cuda_device_count,
+    default_placement,
+    parse_device_ids,
+)
 from trioserve.transport.security import SECRET_ENV
 
 
@@ -89,6 +98,7 @@ class _Group:
 
 
 API_KEY_ENV = "TRIOSERVE_API_KEY"  # the API key when --api-key is absent (read once, in ``main``)
+THREADS_ENV = "TRIOSERVE_CPU_THREADS"  # --worker-threads when that flag is absent
 
 
 def _json_list(text: str) -> tuple[str, ...]:
@@ -100,6 +110,14 @@ def _json_list(text: str) -> tuple[str, ...]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise argparse.ArgumentTypeError(f"expected a JSON list of strings such as '[\"*\"]', got {text!r}")
     return tuple(value)
+
+
+def _device_ids(text: str) -> tuple[str, ...]:
+    """``--device-ids``: each id checked and written canonically (``cpu:0-3``, ``cuda:1``)."""
+    try:
+        return tuple(str(device) for device in parse_device_ids(text))
+    except PlacementError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _model_flags(p: argparse.ArgumentParser, *, serve: bool) -> None:
@@ -196,8 +214,43 @@ def _frontend_flags(p: argparse.ArgumentParser) -> None:
         "with several engine cores (-dp), which one each request goes to: dplb: vLLM's score "
         "(the coordinator's waiting + running, this API server's own in-flight requests, a KV-usage "
         "penalty); round-robin: each in turn; prefix: the engine already caching the longest prefix of "
-        "the prompt (its KV events, through the coordinator), unless much more loaded than dplb's pick",
+        "the prompt (its KV events, through the coordinator), unless much more loaded than dplb's pick; "
+        "least-outstanding-bytes: the ready replica with the fewest request bytes in flight (seed 002), "
+        "at most --max-inflight-per-replica on each, 503 when every one is full",
         choices=True,
+    )
+    g.add(
+        "--max-inflight-per-replica",
+        "max_inflight_per_replica",
+        "least-outstanding-bytes: HTTP requests in flight per replica across every API server",
+        type=int,
+    )
+    g.add(
+        "--request-timeout-ms",
+        "request_timeout_ms",
+        "an engine request's deadline: no output for this long (queueing included) ends it with 504 "
+        "and counts a timeout against its replica (a request's own timeout_ms may be shorter); 0: none",
+        type=int,
+    )
+    g.add(
+        "--consecutive-timeouts",
+        "consecutive_timeouts",
+        "-dp: timeouts in a row that eject a replica from dispatch (docs/replicas.md); 0: never",
+        type=int,
+    )
+    g.add("--base-ejection-ms", "base_ejection_ms", "a first ejection's length; each next doubles", type=int)
+    g.add(
+        "--max-ejection-ms",
+        "max_ejection_ms",
+        "the longest ejection",
+        shown="0: ten times the base, at most an hour",
+        type=int,
+    )
+    g.add(
+        "--max-ejection-percent",
+        "max_ejection_percent",
+        "replicas ejected at once (one may always be)",
+        type=int,
     )
     g = _Group(SupervisorConfig, p)
     g.add(
@@ -319,6 +372,8 @@ def _engine_flags(p: argparse.ArgumentParser, *, serve: bool) -> None:
         aliases=("-dp",),
         type=int,
     )
+    if serve:
+        g.add("--device-ids", "device_ids", DEVICE_IDS_HELP, shown="see above", type=_device_ids)
     g.add("--max-num-seqs", "max_num_seqs", type=int)
     g.add(
         "--max-num-batched-tokens",
@@ -344,7 +399,8 @@ def _engine_flags(p: argparse.ArgumentParser, *, serve: bool) -> None:
     g.add(
         "--worker-threads",
         "worker_threads",
-        "model: torch CPU threads per worker (0: cores - 1, shared by the -tp workers)",
+        f"model: torch CPU threads per worker, capped by its cores and cgroup quota (0: half of them, "
+        f"1 to 16); {THREADS_ENV} gives it when the flag is absent",
         type=int,
     )
     g.add(
@@ -381,6 +437,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     serve = sub.add_parser("serve", help="run the OpenAI-compatible API server and its engine")
+    serve.add_argument(
+        "--config",
+        dest="config_file",
+        default=None,
+        metavar="FILE",
+        help="YAML settings (docs/replicas.md): setting names as keys, or the seed's replicas: and "
+        "outlier_detection: fields; flags given as well win",
+    )
     _model_flags(serve, serve=True)
     _frontend_flags(serve)
     _engine_flags(serve, serve=True)
@@ -407,26 +471,40 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _settings(ns: argparse.Namespace) -> dict[str, Any]:
-    values = {k: v for k, v in vars(ns).items() if k not in ("command", "config_json", "launch")}
+    skip = ("command", "config_json", "launch", "config_file")
+    values = {k: v for k, v in vars(ns).items() if k not in skip}
     if "served_model_name" in values:
         values["served_model_name"] = tuple(values["served_model_name"])
     return values
 
 
-def _secret_from_env(values: dict[str, Any], environ: Mapping[str, str] | None) -> None:
-    secret = (environ or {}).get(SECRET_ENV)
+def _from_env(values: dict[str, Any], environ: Mapping[str, str] | None) -> None:
+    """The settings the environment gives when their flags are absent: the engine secret (kept out of
+    ``ps``) and the CPU threads per worker."""
+    environ = environ or {}
+    secret = environ.get(SECRET_ENV)
     if secret and "engine_secret" not in values:
         values["engine_secret"] = secret
+    threads = environ.get(THREADS_ENV, "").strip()
+    if threads and "worker_threads" not in values:
+        if not threads.isdigit() or int(threads) < 1:
+            raise ValueError(f"{THREADS_ENV}={threads!r}: expected a positive number of threads")
+        values["worker_threads"] = int(threads)
 
 
 def serve_config(ns: argparse.Namespace, environ: Mapping[str, str] | None = None) -> ServeConfig:
     """``environ``: the process environment (``main`` passes it), for the API key and the engine
     secret when their flags are absent; components never read the environment themselves."""
     values = _settings(ns)
+    if getattr(ns, "config_file", None):
+        from trioserve.config_file import load_config_file
+
+        # One configuration: the file's settings, then the flags over them (the same names).
+        values = {**load_config_file(ns.config_file), **values}
     env_key = (environ or {}).get(API_KEY_ENV)
     if env_key and "api_key" not in values:
         values["api_key"] = (env_key,)
-    _secret_from_env(values, environ)
+    _from_env(values, environ)
     if "chat_template" in values:
         # The tree holds the template's text, checked here: one that does not compile is a bad flag.
         from trioserve.frontend.text.chat_template import compile_chat_template, read_chat_template
@@ -445,10 +523,45 @@ def serve_config(ns: argparse.Namespace, environ: Mapping[str, str] | None = Non
         require_secret_for(config.engine.handshake_address, config.engine.engine_secret)
     if "dispatch" in values and config.engine.data_parallel_size == 1:
         raise ValueError("argument --dispatch: it chooses between engine cores; it needs -dp above 1")
+    if (
+        "max_inflight_per_replica" in values
+        and config.frontend.dispatch.dispatch != "least-outstanding-bytes"
+    ):
+        raise ValueError("argument --max-inflight-per-replica: only with --dispatch least-outstanding-bytes")
     model = config.model
     if config.engine.kind == "reference" and not model.served_model_name and model.model is None:
         config = override(config, served_model_name=("trioserve-reference",))
-    return config
+    return place_replicas(config, available_cpus(), cuda_device_count())
+
+
+def place_replicas(config: ServeConfig, cpus: frozenset[int], cuda_count: int) -> ServeConfig:
+    """``config`` with its local ranks placed (``engine.device_ids``; runtime/placement.py has the
+    rules). Given ids are checked against this host; without them a model with several local ranks
+    takes the first devices, and the other engines (mock, reference: no model) stay unplaced."""
+    engine, worker = config.engine, config.worker
+    local = (
+        engine.data_parallel_size
+        if engine.data_parallel_size_local is None
+        else engine.data_parallel_size_local
+    )
+    cuda = worker.device.startswith("cuda") or (worker.device == "auto" and cuda_count > 0)
+    if engine.device_ids:
+        if engine.kind == "external":
+            raise ValueError("argument --device-ids: --engine external places its own engines")
+        if worker.device.startswith("cuda:"):
+            raise ValueError("argument --device-ids: give the GPUs there, not also --device cuda:N")
+        try:
+            devices = parse_device_ids(",".join(engine.device_ids))  # a config file's, unchecked yet
+            check_placement(devices, local, cpus, cuda_count)
+        except PlacementError as exc:
+            raise ValueError(f"argument --device-ids: {exc}") from None
+        if any(d.kind == "cuda" for d in devices) and worker.tensor_parallel_size > 1:
+            raise ValueError("argument --device-ids: with -tp on CUDA each rank takes its own GPU")
+        return override(config, device_ids=tuple(str(d) for d in devices))
+    if engine.kind != "model" or local < 2 or (cuda and worker.tensor_parallel_size > 1):
+        return config
+    devices = default_placement(local, "cuda" if cuda else "cpu", cpus, cuda_count)
+    return override(config, device_ids=tuple(str(d) for d in devices))
 
 
 def engine_process_config(
@@ -462,7 +575,7 @@ def engine_process_config(
                 f"--config-json is the whole configuration; not also {_flag(next(iter(values)))}"
             )
         return with_secrets(decode_engine_process(ns.config_json), (environ or {}).get(SECRETS_ENV))
-    _secret_from_env(values, environ)
+    _from_env(values, environ)
     if ns.command == "mock-engine":
         values.setdefault("kind", "mock")
     # Started by hand, an engine core without --model runs the reference executor (as it always has).

@@ -25,7 +25,7 @@ EngineKind = Literal["model", "mock", "reference", "external"]
 EngineOutputPolicy = Literal["fold", "block"]  # when the engine's output HWM is reached: fold, or stall
 OutputQueuePolicy = Literal["coalesce", "block", "unbounded"]
 PolicyKind = Literal["merge", "queue", "stall", "abort-slow-client"]
-DispatchPolicyName = Literal["dplb", "round-robin", "prefix"]
+DispatchPolicyName = Literal["dplb", "round-robin", "prefix", "least-outstanding-bytes"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 
 S = TypeVar("S", bound=msgspec.Struct)
@@ -36,6 +36,7 @@ NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
 NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+Percent = Annotated[int, msgspec.Meta(ge=0, le=100)]
 
 
 class _Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -180,6 +181,18 @@ class DispatchConfig(_Section, frozen=True):
     """Which engine an API server sends each request to, with several (``frontend/dispatch.py``)."""
 
     dispatch: DispatchPolicyName = "dplb"
+    # least-outstanding-bytes: in-flight HTTP requests per replica, across every API server; no queue
+    max_inflight_per_replica: Positive = 32
+    # Deadlines and replica health (frontend/replica_pool.py, replica_health.py; docs/replicas.md).
+    request_timeout_ms: NonNegative = 0  # an engine request's limit without output; 0: none
+    consecutive_timeouts: NonNegative = 3  # timeouts in a row that eject a replica; 0: never eject
+    base_ejection_ms: Positive = 30000  # the first ejection's length; each next one doubles
+    max_ejection_ms: NonNegative = 0  # the longest ejection; 0: ten times the base, at most an hour
+    max_ejection_percent: Percent = 50  # of the replicas out at once; one may always be
+
+    def __post_init__(self) -> None:
+        if self.max_ejection_ms and self.max_ejection_ms < self.base_ejection_ms:
+            raise ValueError("max_ejection_ms: shorter than base_ejection_ms")
 
 
 class SupervisorConfig(_Section, frozen=True):
@@ -212,6 +225,9 @@ class EngineConfig(_Section, frozen=True):
     # data_parallel_start_rank); None: all of them. The others join over TCP from other hosts.
     data_parallel_size_local: NonNegative | None = None
     data_parallel_start_rank: NonNegative = 0
+    # serve: one device per local rank, canonical (runtime/placement.py); empty: not placed. Built at
+    # the edge from --device-ids, or the default placement for a model with several local ranks.
+    device_ids: tuple[str, ...] = ()
     headless: bool = False  # engine-core: start this host's ranks as child processes, and restart them
     # Authenticates and encrypts every tcp:// socket between API servers and engines (CURVE); never
     # serialized into a child's command line (``without_secrets``).
@@ -232,7 +248,7 @@ class WorkerConfig(_Section, frozen=True):
     device: str = "auto"  # auto: cuda when present, else cpu
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on cuda, fp32 on cpu
     kv_cache_gib: PositiveFloat = 2.0
-    worker_threads: NonNegative = 0  # torch CPU threads; 0: all cores but one
+    worker_threads: NonNegative = 0  # torch CPU threads per worker, capped by its budget; 0: half of it
     tensor_parallel_size: Positive = 1  # workers per engine core, each holding a shard of the weights
     worker_step_timeout: PositiveFloat = 300.0  # a step's hard limit; also how long an engine may be silent
 

@@ -269,6 +269,12 @@ async def test_an_engine_core_killed_fails_only_its_requests_and_the_other_serve
         with trio.fail_after(TIMEOUT):
             for _ in range(4):
                 assert await complete(server) == 200
+            # The inventory counts the restart (docs/replicas.md).
+            async with await RawHttp.connect("127.0.0.1", server.port) as conn:
+                await conn.send(b"GET /v1/replicas HTTP/1.1\r\nhost: x\r\n\r\n")
+                inventory = (await conn.read_response()).json()
+            assert [r["restarts"] for r in inventory["data"]] == [0, 1], inventory
+            assert [r["state"] for r in inventory["data"]] == ["ready", "ready"], inventory
         # The API server follows the DP coordinator (a snapshot at least every second).
         assert (
             sum(

@@ -12,7 +12,7 @@ from trioserve.config import EngineProcessConfig, ServeConfig, setting_names
 
 
 def _dests(parser: argparse.ArgumentParser) -> list[str]:
-    return [a.dest for a in parser._actions if a.dest not in ("help", "config_json")]
+    return [a.dest for a in parser._actions if a.dest not in ("help", "config_json", "config_file")]
 
 
 def _subparser(name: str) -> argparse.ArgumentParser:
@@ -38,8 +38,13 @@ def test_every_setting_has_one_flag_on_serve() -> None:
 def test_engine_core_flags_are_the_engine_settings(command: str) -> None:
     dests = _dests(_subparser(command))
     assert len(dests) == len(set(dests))
-    # The names clients use and the tokenizer are the API server's alone.
-    assert set(dests) == set(setting_names(EngineProcessConfig)) - {"served_model_name", "tokenizer"}
+    # The names clients use and the tokenizer are the API server's alone; placement is serve's (it
+    # starts the ranks; an engine core started by hand runs where it is started).
+    assert set(dests) == set(setting_names(EngineProcessConfig)) - {
+        "served_model_name",
+        "tokenizer",
+        "device_ids",
+    }
 
 
 def test_defaults_come_from_the_tree() -> None:

@@ -163,9 +163,13 @@ def test_round_robin_rotates_over_ready_engines() -> None:
 
 
 def test_make_policy() -> None:
-    assert POLICY_NAMES == ("dplb", "round-robin", "prefix")
+    assert POLICY_NAMES == ("dplb", "round-robin", "prefix", "least-outstanding-bytes")
     for name in POLICY_NAMES:
         assert make_policy(name, 2, 1, 0).name == name
+    # least-outstanding-bytes places at admission (replica_slots.py); an add without a replica
+    # still gets one, in turn.
+    placed = make_policy("least-outstanding-bytes", 2, 1, 0)
+    assert [_send(placed, {0, 1}) for _ in range(3)] == [0, 1, 0]
     with pytest.raises(ValueError, match="unknown dispatch policy 'fastest'"):
         make_policy("fastest", 2, 1, 0)
     with pytest.raises(ValueError, match="client_index"):

@@ -23,6 +23,7 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "trioserve"
 LAYERS = {
     "config": 0,
     "protocol": 0,
+    "config_file": 1,
     "transport": 1,
     "runtime": 1,
     "models": 1,
@@ -72,6 +73,11 @@ PURE = [
     "trioserve.frontend.edge.cors",
     "trioserve.frontend.edge.access",
     "trioserve.frontend.access_log",
+    "trioserve.config_file",
+    "trioserve.runtime.placement",
+    "trioserve.frontend.replica_health",
+    "trioserve.frontend.replica_pool",
+    "trioserve.frontend.replica_slots",
 ]
 
 

@@ -69,6 +69,7 @@ _SAMPLING = {
     "allowed_token_ids": "trioserve.frontend.request.validate:sampling_params",
     "bad_words": "trioserve.frontend.request.validate:bad_words_token_ids",
     "priority": "trioserve.frontend.serving:Serving._prepare",
+    "timeout_ms": "trioserve.frontend.serving:Serving._prepare",
     "prompt_logprobs": "trioserve.frontend.request.validate:prompt_logprobs_count",
 }
 _MESSAGES = {

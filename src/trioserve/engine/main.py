@@ -17,6 +17,7 @@ run is refused where it is built (exit code 2, one line, from ``cli.py``).
 from __future__ import annotations
 
 import logging
+import os
 
 import trio
 import zmq
@@ -28,6 +29,7 @@ from trioserve.engine.scheduler import SchedulerConfig
 from trioserve.engine.scheduler_core import SchedulerCore
 from trioserve.engine.worker_executor import WorkerExecutorConfig, open_worker_executor
 from trioserve.mock.core import MockCore
+from trioserve.runtime.placement import apply_cpu_affinity, cuda_env, parse_device
 from trioserve.runtime.process import (
     exit_on_signals,
     exit_when_parent_dies,
@@ -101,6 +103,21 @@ async def _main(config: EngineProcessConfig) -> None:
         ctx.destroy(linger=0)
 
 
+def place(config: EngineProcessConfig) -> None:
+    """Put this rank on its device (``engine.device_ids``, one per local rank, by ``engine_index``):
+    CPU cores become this process's affinity, which its workers inherit; a GPU becomes the only one
+    its workers see. Before any worker starts, so nothing runs elsewhere first."""
+    engine = config.engine
+    if engine.engine_index >= len(engine.device_ids):
+        return
+    device = parse_device(engine.device_ids[engine.engine_index])
+    if device.kind == "cpu":
+        apply_cpu_affinity(device)
+    else:
+        os.environ.update(cuda_env(device))
+    log.info("engine %d placed on %s", engine.engine_index, device)
+
+
 def run_engine_core(config: EngineProcessConfig) -> int:
     """The engine-core process's main (``python -m trioserve engine-core``): title, logging, then
     the engine until it ends; returns the exit code (the module docstring says which)."""
@@ -108,6 +125,7 @@ def run_engine_core(config: EngineProcessConfig) -> int:
     set_title(rank_title("EngineCore", engine.engine_index, engine.data_parallel_size))
     setup_logging(config.log_level)
     configure_security(engine.engine_secret)
+    place(config)
     # What it can run was checked where the configuration was built (cli.engine_process_config).
     failed = False
     try:

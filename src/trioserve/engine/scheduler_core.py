@@ -53,6 +53,7 @@ class SchedulerCore:
             vocab_size=self.vocab_size,
             num_kv_blocks=config.num_blocks,
             block_size=config.block_size,
+            max_num_batched_tokens=config.max_num_batched_tokens,
         )
 
     def _executor_failed(self) -> None:

@@ -30,6 +30,9 @@ from trioserve.frontend.edge.ws_server import websocket_upgrade
 from trioserve.frontend.engine_client import EngineClient
 from trioserve.frontend.metrics_peers import Families, MetricsPeers
 from trioserve.frontend.output.output_handler import OutputHandler, StampedStepQueue
+from trioserve.frontend.replica_health import OutlierRules
+from trioserve.frontend.replica_pool import ReplicaPool
+from trioserve.frontend.replica_slots import ReplicaSlots
 from trioserve.frontend.serving import Serving
 from trioserve.frontend.text.tokenizer import Tokenizer
 from trioserve.metrics import Metrics
@@ -66,12 +69,19 @@ class ApiServer:
         coordinator_address: str = "",
         accept_balance: AcceptBalance | None = None,
         restarted: bool = False,
+        replica_slots: ReplicaSlots | None = None,
+        devices: tuple[str, ...] = (),
+        batch_limits: tuple[int, int] | None = None,
     ) -> None:
         """``engine_output_hwm``: the receiving end of the engines' output sockets (their section's
         setting, as both ends of a ZMQ pair set it); ``engine_ready_timeout``: how long ``run`` waits
         for the engines. Under a supervisor: this server's ``client_index`` of ``api_server_count``,
         the supervisor's ``ipc_dir``, the DP coordinator's PUB (``coordinator_address``), the
-        accept balance shared with the other API servers, and whether it replaces one that died."""
+        accept balance shared with the other API servers, and whether it replaces one that died;
+        ``replica_slots``: least-outstanding-bytes' table shared by every API server; ``devices``:
+        where each replica runs (the inventory shows it); ``batch_limits``: the engines'
+        ``max_num_seqs`` and ``max_num_batched_tokens`` as configured (a replica reporting others is
+        kept out of dispatch)."""
         self.engine_ready_timeout = engine_ready_timeout
         self.frontend = frontend
         self.client_index = client_index
@@ -84,6 +94,15 @@ class ApiServer:
             if num_engines > 1
             else None
         )
+        dispatch = frontend.dispatch
+        rules = OutlierRules(
+            consecutive_timeouts=dispatch.consecutive_timeouts,
+            base_ejection_s=dispatch.base_ejection_ms / 1000,
+            max_ejection_s=dispatch.max_ejection_ms / 1000 or None,
+            max_ejection_percent=dispatch.max_ejection_percent,
+        )
+        timeout = dispatch.request_timeout_ms / 1000 or None
+        self.pool = ReplicaPool(rules, num_engines, timeout, client_index=client_index)
         self.engine = EngineClient(
             ctx,
             handshake_address=addresses.handshake,
@@ -97,6 +116,9 @@ class ApiServer:
             # requests would all go to whichever said Ready first. A restarted API server serves
             # through the engines that are up while another may be away.
             ready_with_one=restarted,
+            pool=self.pool,
+            devices=devices,
+            batch_limits=batch_limits,
         )
         self._ctx = ctx
         streams = frontend.streams
@@ -118,7 +140,10 @@ class ApiServer:
         self.serving = Serving(
             model, frontend.request, frontend.admission, streams, tokenizer, self.engine, self.handler
         )
+        self.serving.slots = replica_slots
+        self.serving.slot_cap = dispatch.max_inflight_per_replica
         self.engine.on_joined = lambda ready: self.serving.on_engine_ready()  # a restarted engine too
+        self.engine.on_timeout = lambda ids, why: self.handler.fail(ids, 504, why)
         self.engine_restarts = 0  # counted by the engine supervisor (launch/engine_supervisor.py)
         http = frontend.http
         self.asgi = AsgiHost(create_app(self.serving, self.metrics_text, http.max_request_body_bytes))
@@ -262,6 +287,33 @@ class ApiServer:
                 "Wakes whose accept found the connection taken by another API server.",
                 balance.lost_races,
             )
+        pool = self.pool
+        book = pool.book
+        counters["trioserve:request_timeouts_total"] = (
+            "Engine requests that gave no output within their deadline (answered 504).",
+            sum(pool.timeouts_total),
+        )
+        if pool.n > 1:
+            now = trio.current_time()
+            states = [book.state(r, now) for r in range(pool.n)]
+            counters["trioserve:replica_ejections_total"] = (
+                "Times a replica was ejected from dispatch for consecutive timeouts.",
+                book.ejections_total,
+            )
+            counters["trioserve:replica_readmissions_total"] = (
+                "Times an ejected replica returned (it answered, or its cool-down ended).",
+                book.readmissions_total,
+            )
+            counters["trioserve:replica_ejections_withheld_total"] = (
+                "Ejections a rule held back (single replica, no other answered, max percent).",
+                book.withheld_total,
+            )
+            counters["trioserve:replica_probes_total"] = (
+                "One-token probes sent to replicas.",
+                pool.probes_total,
+            )
+            gauges["trioserve:replicas_ejected"] = ("Replicas ejected now.", states.count("ejected"))
+            gauges["trioserve:replicas_backed_off"] = ("Replicas in a backoff now.", states.count("backoff"))
         if self.coordinator_address:
             link = self.coordinator
             age = link.age(trio.current_time())

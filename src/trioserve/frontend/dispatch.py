@@ -114,7 +114,7 @@ from typing import Literal, Protocol, get_args
 from trioserve.protocol.block_hash import prefix_block_keys
 from trioserve.protocol.messages import AddRequest, EngineReady, KvEvents, LoadSnapshot
 
-PolicyName = Literal["dplb", "round-robin", "prefix"]
+PolicyName = Literal["dplb", "round-robin", "prefix", "least-outstanding-bytes"]
 POLICY_NAMES: tuple[str, ...] = get_args(PolicyName)
 
 KV_PENALTY_FROM = 0.5  # KV usage below which waiting requests cost nothing extra
@@ -323,6 +323,19 @@ class RoundRobin:
         pass
 
 
+class PlacedAtAdmission(RoundRobin):
+    """``least-outstanding-bytes`` (seed 002): the replica is chosen when the request is admitted,
+    not here: ``frontend/replica_slots.py`` reserves the ready replica with the fewest outstanding
+    request bytes across every API server (ties to the least recently assigned), at most
+    ``--max-inflight-per-replica`` in flight on each, and serving answers 503 when all are full.
+    Every add then arrives with its replica (``EngineClient.add``'s ``replica``); ``pick`` serves
+    only an add without one, in turn."""
+
+    name = "least-outstanding-bytes"
+
+    __slots__ = ()
+
+
 class PrefixIndex:
     """Which block keys each engine holds, as far as this API server knows (the ``prefix`` policy's
     index; the module docstring states the rules). Pure."""
@@ -474,4 +487,6 @@ def make_policy(name: str, num_engines: int, api_server_count: int, client_index
         return RoundRobin(num_engines, api_server_count, client_index)
     if name == "prefix":
         return PrefixAware(num_engines, api_server_count, client_index)
+    if name == "least-outstanding-bytes":
+        return PlacedAtAdmission(num_engines, api_server_count, client_index)
     raise ValueError(f"unknown dispatch policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")

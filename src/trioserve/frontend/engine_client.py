@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
 
@@ -46,6 +47,8 @@ import zmq
 from trioserve.frontend.dispatch import DispatchPolicy, RequestKey
 from trioserve.frontend.engine_health import EngineHealth, Stall
 from trioserve.frontend.output.step_queue import StepQueue
+from trioserve.frontend.replica_health import HealthEvent, OutlierRules
+from trioserve.frontend.replica_pool import ReplicaPool
 from trioserve.protocol.codec import ProtocolError, engine_input_codec, engine_output_codec, handshake_codec
 from trioserve.protocol.messages import (
     HEARTBEAT_INTERVAL,
@@ -58,6 +61,7 @@ from trioserve.protocol.messages import (
     EngineHello,
     EngineOutputs,
     EngineReady,
+    SamplingParams,
     ShutdownEngine,
     Welcome,
     engine_identity,
@@ -69,6 +73,8 @@ log = logging.getLogger("trioserve.frontend")
 
 # (reason, the requests that fail (None: every request, no engine is left), Retry-After seconds)
 OnDead = Callable[[str, "list[str] | None", "int | None"], None]
+# (the requests that ran past their deadline, why): serving fails them with 504
+OnTimeout = Callable[["list[str]", str], None]
 
 
 class EngineLinkView:
@@ -112,11 +118,17 @@ class EngineClient:
         coordinator_address: str = "",
         policy: DispatchPolicy | None = None,
         ready_with_one: bool = False,
+        pool: ReplicaPool | None = None,
+        devices: Sequence[str] = (),
+        batch_limits: tuple[int, int] | None = None,
     ) -> None:
         """``handshake_address`` None: someone else greets engines (the supervisor); ``welcome``: the
         API servers an engine must join (default: this one); ``policy``: with several engines, which
         one takes each add (required then); ``ready_with_one``: ``run`` is started once one engine
-        has joined, not all (a restarted API server serves while a dead engine is still away)."""
+        has joined, not all (a restarted API server serves while a dead engine is still away);
+        ``pool``: deadlines and replica health (default: the seed's rules, no deployment deadline);
+        ``devices``: where each replica runs, for the inventory; ``batch_limits``: the
+        ``max_num_seqs`` and ``max_num_batched_tokens`` the deployment set (None: not checked)."""
         if num_engines > 1 and policy is None:
             raise ValueError("several engines need a dispatch policy")
         self.output_hwm = output_hwm
@@ -148,6 +160,16 @@ class EngineClient:
         self.on_joined: Callable[[EngineReady], None] = lambda ready: None
         self._on_dead: OnDead = lambda reason, ids, retry_after: None
         self._ready_with_one = ready_with_one
+        self.pool = pool or ReplicaPool(OutlierRules(), num_engines, client_index=client_index)
+        self.on_timeout: OnTimeout = lambda request_ids, why: None
+        self._timeouts: dict[str, float] = {}  # request id -> its deadline, beside a queued add
+        self._fixed: dict[str, int] = {}  # request id -> the replica admission reserved for it
+        self.devices = tuple(devices)
+        self.batch_limits = batch_limits
+        self.mismatched: dict[int, str] = {}  # engines whose Ready reported other batch limits: why
+        self._probes: list[tuple[int, str, bytes]] = []  # (engine, probe id, encoded add), to send
+        self._watch_due = math.inf  # when the exchange watcher wakes next
+        self._exchange_wake = Waker()
         self._joined = trio.Event()  # every engine joined (one, with ``ready_with_one``)
         self._link_changed = Waker()
         self._wake = Waker()
@@ -171,9 +193,13 @@ class EngineClient:
         return [i for i in self.engines if i not in self.down and i not in self._joining]
 
     def dispatchable(self, now: float) -> list[int]:
-        """The up engines a new request may go to: the healthy ones (a stalled engine, a silent
-        remote one say, gets nothing new while another is healthy), else all that are up."""
+        """The up engines a new request may go to: those the replica pool lets (not backed off or
+        ejected, unless nothing else is up), and of those the healthy ones (a stalled engine, a
+        silent remote one say, gets nothing new while another is healthy), else all of those."""
         up = self.up_engines()
+        if self.mismatched:  # kept out of dispatch, unless no other engine is up
+            up = [i for i in up if i not in self.mismatched] or up
+        up = self.pool.dispatchable(up, now)
         if len(up) < 2:
             return up
         health = self.health
@@ -182,9 +208,16 @@ class EngineClient:
 
     # ---- called from any task; never blocks -------------------------------------------------------
 
-    def add(self, request: AddRequest) -> None:
+    def add(self, request: AddRequest, timeout_s: float | None = None, replica: int | None = None) -> None:
+        """Queue ``request``; ``timeout_s``: its own deadline without output (the deployment's
+        ``--request-timeout-ms`` applies anyway; the smaller wins); ``replica``: the engine it must
+        go to (least-outstanding-bytes reserved it at admission), else the policy picks at send."""
         rid = request.request_id
         self._adds[rid] = self._in_codec.encode(request)
+        if replica is not None:
+            self._fixed[rid] = replica
+        if (deadline := self.pool.deadline(timeout_s)) is not None:
+            self._timeouts[rid] = deadline
         if self.policy is not None and (key := self.policy.request_key(request, self.engines)) is not None:
             self._keys[rid] = key  # the prefix policy's block hashes, computed once, here
         self._add_order.append(rid)
@@ -192,9 +225,13 @@ class EngineClient:
 
     def abort(self, request_ids: list[str]) -> None:
         """Stop these requests: an add still queued is dropped, the others' aborts are queued."""
-        adds = self._adds
+        adds, timeouts, pool = self._adds, self._timeouts, self.pool
         sent = [rid for rid in request_ids if adds.pop(rid, None) is None]
         self.dropped_adds += len(request_ids) - len(sent)
+        for rid in request_ids:
+            timeouts.pop(rid, None)
+            self._fixed.pop(rid, None)
+            pool.forget(rid)
         if not sent:
             return
         if self.policy is None:
@@ -213,23 +250,31 @@ class EngineClient:
         if engine is not None and self.policy is not None:
             self.policy.done(engine)
 
-    def next_frame(self, up: Collection[int] = (0,)) -> tuple[int, bytes] | None:
-        """What the ROUTER's owner sends next, and to which engine, given the engines ``up``: a
-        ClientReset owed, else an engine's queued aborts (one message), else the oldest queued add
-        (to the engine the policy picks); None when nothing can be sent now."""
+    def next_frame(self, up: Collection[int] = (0,), now: float = 0.0) -> tuple[int, bytes] | None:
+        """What the ROUTER's owner sends next, and to which engine, given the engines ``up`` (the
+        dispatchable ones) at ``now``: a ClientReset owed, else an engine's queued aborts (one
+        message), else a probe (to its replica, dispatchable or not), else the oldest queued add (to
+        the engine the policy picks); None when nothing can be sent now."""
         if self._resets:
             engine = self._resets.pop()
             return engine, self._in_codec.encode(ClientReset(self.client_index))
         if self._aborts:
             engine, ids = self._aborts.popitem()
             return engine, self._in_codec.encode(AbortRequests(ids))
+        while self._probes:
+            engine, _, frame = self._probes.pop()
+            if engine in self.engines and engine not in self.down:  # else its exchange times out
+                return engine, frame
         order, adds, keys = self._add_order, self._adds, self._keys
         while order and order[0] not in adds:  # dropped by an abort
             keys.pop(order.popleft(), None)
         if not order:
             return None
         policy = self.policy
-        if policy is None:
+        fixed = self._fixed.pop(order[0], None)
+        if fixed is not None:
+            engine = fixed  # reserved at admission; engine_died fails the adds fixed on a dead one
+        elif policy is None:
             if 0 not in up:
                 return None
             engine = 0
@@ -243,7 +288,53 @@ class EngineClient:
         if policy is not None:
             self._placed[rid] = engine
             policy.sent(engine, key)
+        timeout = self._timeouts.pop(rid, None)
+        self.pool.sent(rid, engine, timeout, now)
+        if timeout is not None and now + timeout < self._watch_due:
+            self._exchange_wake.set()
         return engine, add
+
+    def inventory(self, now: float) -> dict[str, object]:
+        """``GET /v1/replicas``: the replicas as this API server sees them (each API server keeps its
+        own health view; docs/replicas.md). A replica's state: ``starting`` (never joined),
+        ``failed`` (its engine is down), else the health book's ``ready``, ``backoff`` or
+        ``ejected``."""
+        pool, up = self.pool, self.up_engines()
+        replicas: list[dict[str, object]] = []
+        for index in range(self.num_engines):
+            ready = self.engines.get(index)
+            health = pool.book.view(index, now) if index < pool.n else {}
+            state = health.get("state", "ready")
+            if ready is None:
+                state = "starting"
+            elif index in self.down or index in self._joining:
+                state = "failed" if index in self.down else "starting"
+            entry: dict[str, object] = {
+                "index": index,
+                "state": state,
+                # this API server's requests there (one engine: serving counts them)
+                "in_flight": pool.in_flight(index) if pool.track_all else None,
+                "device": self.devices[index] if index < len(self.devices) else None,
+                "restarts": max(0, self.engine_joins.get(index, 0) - 1),
+                "pid": None if ready is None else ready.pid,
+                "kind": None if ready is None else ready.kind,
+                "max_num_seqs": None if ready is None else ready.max_num_seqs,
+                "max_num_batched_tokens": None if ready is None else ready.max_num_batched_tokens or None,
+                "excluded": self.mismatched.get(index),
+                "max_model_len": None if ready is None else ready.max_model_len,
+            }
+            entry.update({k: v for k, v in health.items() if k != "state"})
+            entry["timeouts_total"] = pool.timeouts_total[index] if index < pool.n else 0
+            entry["requests_total"] = pool.sent_total[index] if index < pool.n else 0
+            replicas.append(entry)
+        return {
+            "object": "list",
+            "api_server": self.client_index,
+            "desired": self.num_engines,
+            "ready": len(up),
+            "dispatchable": len(self.dispatchable(now)),
+            "data": replicas,
+        }
 
     def stall(self, now: float | None = None) -> Stall | None:
         """A stalled engine's state when no engine that is alive is healthy (one engine: when it is
@@ -287,6 +378,7 @@ class EngineClient:
                 if hs is not None:
                     nursery.start_soon(self._greet, hs)
                 nursery.start_soon(self._watch_health)
+                nursery.start_soon(self._watch_exchanges)
                 nursery.start_soon(self._router_loop, router)
                 await self._joined.wait()
                 nursery.start_soon(self._recv_loop, pull, outputs)
@@ -315,6 +407,8 @@ class EngineClient:
                 self._on_dead(self.down[index], None, retry_after)  # a better Retry-After
             return
         self.down[index] = reason
+        self.pool.engine_failed(index, trio.current_time())
+        self._log_health()
         health = self.health.get(index)
         if health is not None:
             health.pause()
@@ -326,6 +420,12 @@ class EngineClient:
             del self._placed[rid]
             if self.policy is not None:
                 self.policy.done(index)
+        queued = [rid for rid, e in self._fixed.items() if e == index]  # reserved there, not sent
+        for rid in queued:
+            del self._fixed[rid]
+            self._adds.pop(rid, None)
+            self._timeouts.pop(rid, None)
+        lost += queued
         if self.policy is None or not self.up_engines():
             lost = None  # nothing is left: every request fails, and new ones are refused
         self._on_dead(reason, lost, retry_after)
@@ -387,7 +487,8 @@ class EngineClient:
                     continue
                 if isinstance(ready, EngineReady):
                     self._on_ready(ready)
-            item = self.next_frame(self.dispatchable(trio.current_time()))
+            now = trio.current_time()
+            item = self.next_frame(self.dispatchable(now), now)
             if item is None:
                 await self._wake.wait_or(router.wait_readable)
                 continue
@@ -410,6 +511,7 @@ class EngineClient:
                 gone = f"engine {index} (pid {known.pid})"
                 self.engine_died(index, f"{gone} was replaced by pid {ready.pid} before reporting its end")
         self.engines[index] = ready
+        self._check_limits(ready)
         self.down.pop(index, None)
         self._joining.discard(index)
         if (index, ready.pid) not in self._seen:
@@ -427,8 +529,28 @@ class EngineClient:
             self._joined.set()
         self.on_joined(ready)
 
+    def _check_limits(self, ready: EngineReady) -> None:
+        """An engine whose batch limits differ from the deployment's (an external engine started
+        with other flags, say) serves differently from its peers: it is kept out of dispatch while
+        others are up, and the inventory says why."""
+        index, limits = ready.engine_index, self.batch_limits
+        self.mismatched.pop(index, None)
+        if limits is None or self.num_engines == 1:
+            return
+        seqs, tokens = limits
+        wrong = []
+        if ready.max_num_seqs != seqs:
+            wrong.append(f"max_num_seqs {ready.max_num_seqs}, not {seqs}")
+        if ready.max_num_batched_tokens and ready.max_num_batched_tokens != tokens:
+            wrong.append(f"max_num_batched_tokens {ready.max_num_batched_tokens}, not {tokens}")
+        if wrong:
+            why = "reported " + " and ".join(wrong)
+            self.mismatched[index] = why
+            log.error("engine %d %s: kept out of dispatch while another engine is up", index, why)
+
     async def _recv_loop(self, pull: TrioZmqSocket, outputs: StepQueue) -> None:
         several = self.policy is not None
+        pool = self.pool
         while True:
             (frame,) = (await pull.recv_multipart())[-1:]
             try:
@@ -444,6 +566,12 @@ class EngineClient:
                         for out in msg.outputs:
                             if out.finish_reason is not None:
                                 self.finished(out.request_id)
+                    if pool.exchanges and msg.outputs:  # deadlines and answers (replica_pool.py)
+                        now = trio.current_time()
+                        for out in msg.outputs:
+                            pool.output(out.request_id, out.finish_reason is not None, now)
+                        if pool.events:
+                            self._log_health()
                     if health is None:
                         await outputs.put(msg)
                         continue
@@ -460,6 +588,41 @@ class EngineClient:
                         continue  # about a process that was replaced already
                     self.engine_died(index, f"engine {index} failed: {reason}")
 
+    async def _watch_exchanges(self) -> None:
+        """The replica pool's clock: ends the exchanges past their deadline (504 through
+        ``on_timeout``, an abort to the engine), ends backoffs and cool-downs, sends the probes the
+        health book asks for, and logs its events."""
+        pool = self.pool
+        while True:
+            now = trio.current_time()
+            expired = pool.overdue(now, pool.up_flags(self.up_engines()))
+            late: dict[int, list[str]] = {}
+            for rid, replica, probe in expired:
+                if probe:
+                    self._aborts.setdefault(replica, []).append(rid)
+                else:
+                    late.setdefault(replica, []).append(rid)
+            for replica, ids in late.items():
+                why = f"replica {replica} gave no output within the request's deadline"
+                self.on_timeout(ids, why)  # each response's end aborts its engine requests
+            for rid, replica in pool.take_probes(now):
+                add = AddRequest(rid, [0], SamplingParams(max_tokens=1), 0.0, self.client_index)
+                self._probes.append((replica, rid, self._in_codec.encode(add)))
+            if expired or self._probes:
+                self._wake.set()
+            self._log_health()
+            due = pool.next_wake(now)
+            self._watch_due = math.inf if due is None else due
+            with trio.move_on_at(self._watch_due):
+                await self._exchange_wake.wait()
+
+    def _log_health(self) -> None:
+        """Log the replica pool's events, and clear its outbox."""
+        events = self.pool.events
+        for event in events:
+            _log_event(event)
+        events.clear()
+
     async def _watch_health(self) -> None:
         """Log when an engine stalls (its resumption is logged by the reader, on the message that
         ends it). ``/health`` and admission read the state themselves; this only logs and counts."""
@@ -471,6 +634,20 @@ class EngineClient:
                 if health.stalled_since is None:
                     due = min(due, health.deadline())
             await trio.sleep_until(due)
+
+
+def _log_event(event: HealthEvent) -> None:
+    """One health event as the seed names it: ``replica_ejected``, ``replica_readmitted``,
+    ``replica_ejection_withheld`` (with the rule that held it back); backoffs at debug level."""
+    fields = f"replica={event.replica} reason={event.reason}"
+    if event.duration is not None:
+        fields += f" duration_s={event.duration:g}"
+    if event.kind == "replica_backoff":
+        log.debug("%s %s", event.kind, fields)
+    elif event.kind == "replica_readmitted":
+        log.info("%s %s", event.kind, fields)
+    else:
+        log.warning("%s %s", event.kind, fields)
 
 
 def _log_transition(health: EngineHealth, now: float) -> None:

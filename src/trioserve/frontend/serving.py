@@ -28,6 +28,7 @@ from trioserve.frontend.output.chunks import ChunkEncoder, Kind
 from trioserve.frontend.output.logprobs import LogprobsFormat, TokenStrings
 from trioserve.frontend.output.output_handler import ChoiceState, OutputHandler
 from trioserve.frontend.output.responses import CollectingResponse, Response, ResponseSink, StreamingResponse
+from trioserve.frontend.replica_slots import ReplicaSlots
 from trioserve.frontend.request.admission import Admission, Ticket
 from trioserve.frontend.request.errors import ApiError
 from trioserve.frontend.request.openai_schema import ChatCompletionRequest, ChatMessage, CompletionRequest
@@ -128,6 +129,9 @@ class Serving:
         self._id_base = secrets.token_hex(8)
         self._id_counter = itertools.count()
         self._finished = Waker()  # set whenever a response leaves ``active``
+        # least-outstanding-bytes: the table every API server reserves replicas in, and its cap
+        self.slots: ReplicaSlots | None = None
+        self.slot_cap = 32
 
     def new_request_id(self) -> str:
         """An id no other request of the deployment has: 64 random bits per API server process and
@@ -272,6 +276,8 @@ class Serving:
         self.handler.metrics.prompt_tokens += response.prompt_tokens
         self.active.add(response)
         try:
+            if self.slots is not None:
+                self._place(response, len(body))
             self._submit(response, arrival)
         except BaseException:
             self.cancel(response)
@@ -321,11 +327,48 @@ class Serving:
             if options.logprobs is None and options.prompt_logprobs is None
             else LogprobsFormat(kind, self.token_strings)
         )
+        response: Response
         if not options.stream:
-            return CollectingResponse(*built, prompts=prompts, logprobs=lp)
-        policy = self.stream_policy
-        stalled = self.handler.stalled if policy.kind == "stall" else None
-        return StreamingResponse(*built, policy=policy, stalled=stalled, prompts=prompts, logprobs=lp)
+            response = CollectingResponse(*built, prompts=prompts, logprobs=lp)
+        else:
+            policy = self.stream_policy
+            stalled = self.handler.stalled if policy.kind == "stall" else None
+            response = StreamingResponse(*built, policy=policy, stalled=stalled, prompts=prompts, logprobs=lp)
+        if req.timeout_ms:
+            response.timeout_s = req.timeout_ms / 1000
+        return response
+
+    def _place(self, response: Response, nbytes: int) -> None:
+        """least-outstanding-bytes: reserve the replica this request runs on (every choice on the
+        same one), or refuse it now with 503: every ready replica has ``slot_cap`` requests in flight
+        and there is no pool queue (docs/replicas.md says why 503 and not 429)."""
+        assert self.slots is not None
+        engine = self.engine
+        ready = engine.pool.up_flags(engine.dispatchable(trio.current_time()))
+        if not any(ready):
+            raise ApiError(503, "no replica is ready", retry_after=1)
+        reservation = self.slots.reserve(engine.client_index, ready, self.slot_cap, nbytes)
+        if reservation is None:
+            raise ApiError(
+                503,
+                f"every ready replica has {self.slot_cap} requests in flight (--max-inflight-per-replica)",
+                retry_after=1,
+            )
+        response.reservation = reservation
+
+    def inventory(self, now: float) -> dict[str, object]:
+        """``GET /v1/replicas``: the engine client's view, with least-outstanding-bytes' shared
+        counts (every API server's requests) where that policy runs."""
+        inventory = self.engine.inventory(now)
+        data = inventory["data"]
+        assert isinstance(data, list)
+        if len(data) == 1:
+            data[0]["in_flight"] = len(self.active)
+        if self.slots is not None:
+            for entry in data:
+                entry["in_flight"], entry["outstanding_bytes"] = self.slots.totals(entry["index"])
+            inventory["max_inflight_per_replica"] = self.slot_cap
+        return inventory
 
     def _submit(self, response: Response, arrival: float) -> None:
         """Register every choice with the output handler and queue it for the engine. Choice ``i`` is
@@ -376,7 +419,9 @@ class Serving:
                     client_index=self.engine.client_index,
                     priority=response.priority,
                     eos_token_id=eos,
-                )
+                ),
+                timeout_s=response.timeout_s,
+                replica=None if response.reservation is None else response.reservation.replica,
             )
 
     def cancel(self, response: Response) -> None:
@@ -392,6 +437,8 @@ class Serving:
 
     def _retire(self, response: Response) -> None:
         response.ticket.release()
+        if response.reservation is not None and self.slots is not None:
+            self.slots.release(response.reservation)
         metrics = self.handler.metrics
         first = response.first_token_time
         # Once per request. Its decode time only when every choice ran to its end (the last token

@@ -51,6 +51,7 @@ async def _serve(launch: ApiServerLaunch, listener: socket.socket) -> None:
         ipc_dir=launch.ipc_dir,
         coordinator_address=launch.coordinator_address,
         connection_loads=launch.connection_loads,
+        replica_slots=launch.replica_slots,
         incarnation=launch.incarnation,
     )
     gc.collect()

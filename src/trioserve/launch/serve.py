@@ -72,6 +72,7 @@ def api_server(
     ipc_dir: str | None = None,
     coordinator_address: str = "",
     connection_loads: str = "",
+    replica_slots: str = "",
     incarnation: int = 0,
 ) -> ApiServer:
     """An API server, given its sections of ``config``; under a supervisor, its place in the tree
@@ -82,6 +83,11 @@ def api_server(
         from trioserve.frontend.edge.accept_balance import AcceptBalance, ConnectionLoads
 
         balance = AcceptBalance(ConnectionLoads.open(connection_loads, count), client_index)
+    slots = None
+    if replica_slots:
+        from trioserve.frontend.replica_slots import ReplicaSlots
+
+        slots = ReplicaSlots.open(replica_slots, api_servers=count)
     return ApiServer(
         config.model,
         config.frontend,
@@ -97,6 +103,9 @@ def api_server(
         coordinator_address=coordinator_address,
         accept_balance=balance,
         restarted=incarnation > 0,
+        replica_slots=slots,
+        devices=config.engine.device_ids,
+        batch_limits=(config.engine.max_num_seqs, config.engine.max_num_batched_tokens),
     )
 
 

@@ -44,6 +44,7 @@ from trioserve.frontend.dispatch import RoundRobin
 from trioserve.frontend.edge.accept_balance import ConnectionLoads
 from trioserve.frontend.engine_client import EngineClient
 from trioserve.frontend.output.step_queue import StepQueue
+from trioserve.frontend.replica_slots import ReplicaSlots
 from trioserve.launch.addresses import AddressLayout
 from trioserve.launch.children import ChildCommand, child_command
 from trioserve.launch.engine_supervisor import (
@@ -75,6 +76,7 @@ class ApiServerLaunch(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     layout: AddressLayout  # where its own sockets listen (``layout.client(client_index)``)
     coordinator_address: str = ""  # the coordinator's PUB ("": no coordinator)
     connection_loads: str = ""  # the accept balance's shared file ("": one API server)
+    replica_slots: str = ""  # least-outstanding-bytes: the shared in-flight table ("": another policy)
     incarnation: int = 0  # 0 first; n: the n-th restart of this index
 
 
@@ -84,6 +86,7 @@ class _Tree:
 
     stopping: bool = False  # shutdown began: a child that exits now is not started again
     loads: ConnectionLoads | None = None  # the accept balance's shared counts (several API servers)
+    slots: ReplicaSlots | None = None  # least-outstanding-bytes: every API server's in-flight requests
 
 
 class KeepRunning:
@@ -169,6 +172,10 @@ async def supervise(config: ServeConfig, listener: socket.socket, ipc_dir: str) 
     if count > 1:
         loads_path = f"{ipc_dir}/connections"
         tree.loads = ConnectionLoads.create(loads_path, count)
+    slots_path = ""
+    if dp > 1 and config.frontend.dispatch.dispatch == "least-outstanding-bytes":
+        slots_path = f"{ipc_dir}/replica_slots"
+        tree.slots = ReplicaSlots.create(slots_path, count, dp)
 
     def make_launch(index: int, incarnation: int) -> ApiServerLaunch:
         return ApiServerLaunch(
@@ -179,6 +186,7 @@ async def supervise(config: ServeConfig, listener: socket.socket, ipc_dir: str) 
             layout=layout,
             coordinator_address=coord_out,
             connection_loads=loads_path,
+            replica_slots=slots_path,
             incarnation=incarnation,
         )
 
@@ -199,6 +207,8 @@ async def supervise(config: ServeConfig, listener: socket.socket, ipc_dir: str) 
         def retire() -> None:  # nobody defers to it until its successor publishes
             if tree.loads is not None:
                 tree.loads.retire(index)
+            if tree.slots is not None:  # its requests died with it: they hold no replica's slot
+                tree.slots.forget_server(index)
 
         grace = config.supervisor.shutdown_timeout + DRAIN_GRACE
         return KeepRunning(tree, f"API server {index}", command, stop_grace=grace, on_exit=retire)
@@ -262,6 +272,8 @@ async def supervise(config: ServeConfig, listener: socket.socket, ipc_dir: str) 
             sock.close()
         if tree.loads is not None:
             tree.loads.close()
+        if tree.slots is not None:
+            tree.slots.close()
         ctx.destroy(linger=0)
     failures = [sup.failure for sup in engine_supervisors if sup.failure is not None]
     if failures:

@@ -78,6 +78,7 @@ class EngineReady(_Wire, tag="ready"):
     num_kv_blocks: int = 0  # 0: the engine keeps no KV ledger (the mock engine by default)
     block_size: int = 0
     protocol_version: int = PROTOCOL_VERSION
+    max_num_batched_tokens: int = 0  # the per-step token budget; 0: none (the mock engine)
 
 
 HandshakeMessage = EngineHello | Welcome | EngineReady

@@ -42,6 +42,13 @@ from trioserve.protocol.worker_messages import (
     WorkerStep,
     worker_input_codec,
 )
+from trioserve.runtime.placement import (
+    Device,
+    available_cpus,
+    cgroup_cpu_quota,
+    cpu_budget,
+    worker_threads,
+)
 from trioserve.runtime.process import set_title, setup_logging
 from trioserve.transport.shm_ring import ReaderDied, RingReader, RingWriter, WriterClosed, WriterDied
 from trioserve.worker.model_runner import ModelRunner, RunnerConfig, TensorParallel
@@ -109,6 +116,23 @@ def _serve(launch: WorkerLaunch, steps: RingReader, answer: Callable[[msgspec.St
                 answer(result)
 
 
+def cpu_threads(configured: int, rank: int) -> int:
+    """This CPU worker's torch threads: ``configured`` (0: half the budget) capped by the budget its
+    affinity and cgroup quota give (runtime/placement.py), said in the log. Each worker of a ``-tp``
+    group gets its own count; busy workers on shared cores still contend (docs/replicas.md)."""
+    cpus, quota = available_cpus(), cgroup_cpu_quota()
+    budget = cpu_budget(cpus, quota)
+    threads, capped = worker_threads(configured, budget)
+    where = f"cores {Device('cpu', cores=cpus)}" + (f", cgroup quota {quota:g}" if quota else "")
+    if capped:
+        log.warning(
+            "worker %d: %d threads asked, capped to its budget of %d (%s)", rank, configured, budget, where
+        )
+    else:
+        log.info("worker %d: %d threads (budget %d: %s)", rank, threads, budget, where)
+    return threads
+
+
 def _load(launch: WorkerLaunch) -> ModelRunner:
     worker = launch.worker
     tp_size = launch.tensor_parallel_size
@@ -123,8 +147,9 @@ def _load(launch: WorkerLaunch) -> ModelRunner:
     dtype: str = worker.dtype
     if dtype == "auto":
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    # The CPU's cores (all but one) are shared by the ranks.
-    threads = worker.worker_threads or max(1, ((os.cpu_count() or 2) - 1) // tp_size)
+    threads = 0
+    if device == "cpu":
+        threads = cpu_threads(worker.worker_threads, launch.rank)
     geometry = KVGeometry.from_model_dir(launch.model)
     tp: TensorParallel | None = None
     if tp_size > 1:

@@ -19,6 +19,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 import msgspec
+import trio
 from quart import Response as QuartResponse
 from quart import request
 from quart_trio import QuartTrio
@@ -123,6 +124,10 @@ def create_app(
         if model_id not in served.model_names:
             raise ApiError(404, f"The model `{model_id}` does not exist.", param="model")
         return _json(msgspec.json.encode(model_card(model_id)))
+
+    @app.get("/v1/replicas")
+    async def replicas() -> QuartResponse:
+        return _json(msgspec.json.encode(serving.inventory(trio.current_time())))
 
     @app.post("/tokenize")
     async def tokenize() -> QuartResponse:

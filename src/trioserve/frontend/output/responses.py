@@ -27,6 +27,7 @@ import msgspec
 from trioserve.config import StreamPolicy
 from trioserve.frontend.output.chunks import Choice, ChunkEncoder, full_body
 from trioserve.frontend.output.logprobs import LogprobsFormat
+from trioserve.frontend.replica_slots import Reservation
 from trioserve.frontend.request.admission import Ticket
 from trioserve.frontend.request.errors import ApiError
 from trioserve.frontend.request.validate import OutputOptions
@@ -101,6 +102,8 @@ class Response(ABC):
         choices = len(self.prompts) * options.n
         self.params = params
         self.priority = priority
+        self.timeout_s: float | None = None  # the request's own deadline without output (timeout_ms)
+        self.reservation: Reservation | None = None  # least-outstanding-bytes: its replica's slot
         self.ticket = ticket
         self.completion_tokens = 0
         self.first_token_time = 0.0  # wall clock of the first token of any choice; 0 before it

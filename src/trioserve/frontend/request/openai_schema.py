@@ -87,6 +87,8 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     skip_special_tokens: bool = True
     return_token_ids: bool = False
     priority: Count = 0
+    # trioserve: this request's deadline without output, in ms (docs/replicas.md); 0/None: none
+    timeout_ms: Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)] | None = None
     truncate_prompt_tokens: Count | None = None  # keep the prompt's last k tokens (-1: the context window)
     # vLLM's logits processors (the worker's sampler applies them; docs/openai_api.md)
     repetition_penalty: float | None = None  # > 0, over prompt and output tokens
