@@ -217,14 +217,37 @@ def test_forget_neither_counts_nor_resets_and_the_third_timeout_ejects() -> None
 
 def test_ejection_is_withheld_when_no_other_replica_answered() -> None:
     pool = pool2()
-    answer(pool, "early", 1, 0.0, 0.1)  # before the run of timeouts began: does not count
+    answer(pool, "early", 1, 0.0, 0.1)  # before the first timed-out request was sent: does not count
     for k in range(3):
-        time_out(pool, f"t{k}", 0, float(k))
+        time_out(pool, f"t{k}", 0, 1.0 + k)
     assert of_kind(pool.events, "replica_ejected") == []
     withheld = of_kind(pool.events, "replica_ejection_withheld")
     assert [(e.replica, e.reason) for e in withheld] == [(0, "no_other_replica_answered")]
-    view = pool.book.view(0, 2.5)
+    view = pool.book.view(0, 3.5)
     assert view["consecutive_timeouts"] == 3 and view["state"] == "backoff"
+
+
+def test_a_run_of_timeouts_begins_when_its_first_request_began_waiting() -> None:
+    """Three requests that hang together expire at one instant; the other replica's answer while
+    they waited is what the rule asks for, so the replica is ejected, not withheld."""
+    pool = pool2()
+    for k in range(3):
+        pool.sent(f"t{k}", 0, 0.5, 0.0)
+    answer(pool, "other", 1, 0.1, 0.2)
+    assert [rid for rid, _, _ in pool.overdue(0.5, UP2)] == ["t0", "t1", "t2"]
+    assert kinds(of_kind(pool.events, "replica_ejected")) == [("replica_ejected", 0, "consecutive_timeouts")]
+    assert of_kind(pool.events, "replica_ejection_withheld") == []
+    # The deadline restarts with each output: a request that streamed until 1.0 began waiting then.
+    pool2_ = pool2()
+    answer(pool2_, "other", 1, 0.0, 0.6)  # before the first timed-out request's last output
+    pool2_.sent("s", 0, 0.5, 0.0)
+    pool2_.output("s", False, 1.0)
+    pool2_.sent("u", 0, 0.5, 1.0)
+    pool2_.sent("v", 0, 0.5, 1.0)
+    assert len(pool2_.overdue(1.5, UP2)) == 3
+    assert [e.reason for e in of_kind(pool2_.events, "replica_ejection_withheld")] == [
+        "no_other_replica_answered"
+    ]
 
 
 def test_engine_failed_drops_its_exchanges_and_is_one_failure() -> None:

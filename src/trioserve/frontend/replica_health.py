@@ -34,7 +34,10 @@ Rules:
   ``single_replica``: a pool of one replica never ejects it;
   ``no_other_replica_answered``: eject only while another ready replica (up and not ejected) has had
   a success at or after the start of this replica's current run of timeouts, so a model that is slow
-  on every replica keeps them all;
+  on every replica keeps them all. The run starts when its first timed-out exchange began waiting
+  (``timeout``'s ``began``: its send or last output), not when the deadline fired: several requests
+  that hang together expire at one instant, and an answer elsewhere while they waited is the
+  evidence the rule asks for;
   ``max_ejection_percent``: at most ``max(1, floor(n * max_ejection_percent / 100))`` replicas are
   ejected at once (one may always be, whatever the percentage).
 - **Serve anyway.** ``dispatchable`` returns the up replicas that are neither ejected nor backed off;
@@ -217,15 +220,19 @@ class ReplicaHealthBook:
         self._probes.discard(r)
         return events
 
-    def timeout(self, r: int, now: float, up: Sequence[bool]) -> list[HealthEvent]:
-        """An exchange with ``r`` ran past its deadline: count it, back off, and eject if the rules allow."""
+    def timeout(
+        self, r: int, now: float, up: Sequence[bool], began: float | None = None
+    ) -> list[HealthEvent]:
+        """An exchange with ``r`` ran past its deadline: count it, back off, and eject if the rules
+        allow. ``began``: when that exchange's deadline started running (its send, or its last
+        output; default ``now``): the first timeout of a run starts the run there."""
         self._check_up(up)
         events = self._expire(now)
         rep = self._replicas[r]
         rep.timeouts_total += 1
         rep.consecutive_timeouts += 1
         if rep.streak_start is None:
-            rep.streak_start = now
+            rep.streak_start = now if began is None else min(began, now)
         self._back_off(r, now, "timeout", events)
         rules = self.rules
         # Once ejected in this run the count is already >= the threshold (only a success lowers it,

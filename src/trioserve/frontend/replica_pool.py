@@ -145,7 +145,7 @@ class ReplicaPool:
                 self.events += self.book.failure(ex.replica, now)
                 continue
             self.timeouts_total[ex.replica] += 1
-            self.events += self.book.timeout(ex.replica, now, up)
+            self.events += self.book.timeout(ex.replica, now, up, began=ex.due - ex.timeout_s)
         self.events += self.book.tick(now, up)
         return expired
 
