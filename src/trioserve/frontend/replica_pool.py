@@ -152,8 +152,11 @@ class ReplicaPool:
     def next_wake(self, now: float) -> float | None:
         """When ``overdue`` has something to do next: the earliest deadline (perhaps stale: then it
         only corrects the heap) or health change; None: nothing pending."""
-        times = [t for t in (self._heap[0][0] if self._heap else None, self.book.next_change(now)) if t]
-        return min(times) if times else None
+        deadline = self._heap[0][0] if self._heap else None
+        change = self.book.next_change(now)
+        if deadline is None or change is None:
+            return change if deadline is None else deadline
+        return min(deadline, change)
 
     def take_probes(self, now: float) -> list[tuple[str, int]]:
         """The probes to send now, as (request id, replica), each tracked as a probe exchange."""
