@@ -99,6 +99,8 @@ class _Group:
 
 API_KEY_ENV = "TRIOSERVE_API_KEY"  # the API key when --api-key is absent (read once, in ``main``)
 THREADS_ENV = "TRIOSERVE_CPU_THREADS"  # --worker-threads when that flag is absent
+# Outlier ejection's settings (seed 002): with one replica none has an effect.
+_EJECTION_SETTINGS = ("consecutive_timeouts", "base_ejection_ms", "max_ejection_ms", "max_ejection_percent")
 
 
 def _json_list(text: str) -> tuple[str, ...]:
@@ -521,8 +523,10 @@ def serve_config(ns: argparse.Namespace, environ: Mapping[str, str] | None = Non
 
         AddressLayout.of(config.engine.handshake_address, "")  # a TCP one needs a reachable IP:PORT
         require_secret_for(config.engine.handshake_address, config.engine.engine_secret)
-    if "dispatch" in values and config.engine.data_parallel_size == 1:
-        raise ValueError("argument --dispatch: it chooses between engine cores; it needs -dp above 1")
+    if config.engine.data_parallel_size == 1:
+        for name in ("dispatch", *_EJECTION_SETTINGS):
+            if name in values:  # a deployment of one replica never ejects it: they would do nothing
+                raise ValueError(f"argument {_flag(name)}: it acts between replicas; it needs -dp above 1")
     if (
         "max_inflight_per_replica" in values
         and config.frontend.dispatch.dispatch != "least-outstanding-bytes"

@@ -121,6 +121,8 @@ def test_serve_hands_the_engine_core_one_value() -> None:
         ["serve", "--kv-cache-gib", "0"],
         # Flags that would have no effect are refused (docs/processes.md, docs/remote_engines.md).
         ["serve", "--engine", "mock", "--dispatch", "prefix"],
+        ["serve", "--engine", "mock", "--consecutive-timeouts", "5"],  # one replica is never ejected
+        ["serve", "--engine", "mock", "-dp", "2", "--max-inflight-per-replica", "4"],  # not LOB
         ["serve", "--engine", "mock", "-tp", "2"],
         ["serve", "--engine", "mock", "-dp", "2", "--handshake-address", "tcp://127.0.0.1:7100"],
         ["engine-core", "--handshake-address", "ipc:///tmp/x", "--data-parallel-size-local", "2"],
@@ -145,6 +147,7 @@ def test_bad_flags_exit_2_with_one_line(argv: list[str], capsys: pytest.CaptureF
         (["serve", "--max-num-seqs", "0"], "argument --max-num-seqs: Expected `int` >= 1"),
         (["serve", "--port", "70000"], "argument --port: Expected `int` <= 65535"),
         (["serve", "--stream-policy", "stall:2"], "stream_policy: unknown stream policy"),
+        (["serve", "--max-ejection-percent", "10"], "argument --max-ejection-percent: it acts between"),
     ],
 )
 def test_a_refused_value_names_its_flag(

@@ -562,14 +562,14 @@ class EngineClient:
             match msg:
                 case EngineOutputs():
                     health = self.health.get(msg.engine_index)
-                    if several and msg.outputs:
-                        for out in msg.outputs:
-                            if out.finish_reason is not None:
-                                self.finished(out.request_id)
-                    if pool.exchanges and msg.outputs:  # deadlines and answers (replica_pool.py)
+                    # One engine without deadlines tracks nothing here (the per-token path).
+                    if msg.outputs and (several or pool.exchanges):
                         now = trio.current_time()
                         for out in msg.outputs:
-                            pool.output(out.request_id, out.finish_reason is not None, now)
+                            done = out.finish_reason is not None
+                            if several and done:
+                                self.finished(out.request_id)
+                            pool.output(out.request_id, done, now)  # deadlines, answers (replica_pool)
                         if pool.events:
                             self._log_health()
                     if health is None:

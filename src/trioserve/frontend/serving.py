@@ -130,8 +130,9 @@ class Serving:
         self._id_counter = itertools.count()
         self._finished = Waker()  # set whenever a response leaves ``active``
         # least-outstanding-bytes: the table every API server reserves replicas in, and its cap
+        # (set together by ApiServer from --max-inflight-per-replica)
         self.slots: ReplicaSlots | None = None
-        self.slot_cap = 32
+        self.slot_cap = 0
 
     def new_request_id(self) -> str:
         """An id no other request of the deployment has: 64 random bits per API server process and
