@@ -264,6 +264,12 @@ def _frontend_flags(p: argparse.ArgumentParser) -> None:
         type=int,
     )
     g.add("--shutdown-timeout", "shutdown_timeout", type=float)
+    g.add(
+        "--drain-timeout",
+        "drain_timeout",
+        "seconds a replica that a resize retires may take to finish its requests before it is shut down",
+        type=float,
+    )
     g.add("--engine-ready-timeout", "engine_ready_timeout", type=float)
     g.add(
         "--engine-restart",
@@ -375,6 +381,14 @@ def _engine_flags(p: argparse.ArgumentParser, *, serve: bool) -> None:
         type=int,
     )
     if serve:
+        g.add(
+            "--max-data-parallel-size",
+            "max_data_parallel_size",
+            "the most engine cores a resize may reach: with --config FILE, a SIGHUP to serve reads the "
+            "file again and starts or retires replicas to match its replica count (docs/replicas.md)",
+            shown="-dp: no resizing",
+            type=int,
+        )
         g.add("--device-ids", "device_ids", DEVICE_IDS_HELP, shown="see above", type=_device_ids)
     g.add("--max-num-seqs", "max_num_seqs", type=int)
     g.add(
@@ -503,6 +517,7 @@ def serve_config(ns: argparse.Namespace, environ: Mapping[str, str] | None = Non
 
         # One configuration: the file's settings, then the flags over them (the same names).
         values = {**load_config_file(ns.config_file), **values}
+        values["config_file"] = os.path.abspath(ns.config_file)  # a SIGHUP reads it again
     env_key = (environ or {}).get(API_KEY_ENV)
     if env_key and "api_key" not in values:
         values["api_key"] = (env_key,)
@@ -523,7 +538,8 @@ def serve_config(ns: argparse.Namespace, environ: Mapping[str, str] | None = Non
 
         AddressLayout.of(config.engine.handshake_address, "")  # a TCP one needs a reachable IP:PORT
         require_secret_for(config.engine.handshake_address, config.engine.engine_secret)
-    if config.engine.data_parallel_size == 1:
+    _check_resizing(config, values)
+    if config.engine.capacity == 1:
         for name in ("dispatch", *_EJECTION_SETTINGS):
             if name in values:  # a deployment of one replica never ejects it: they would do nothing
                 raise ValueError(f"argument {_flag(name)}: it acts between replicas; it needs -dp above 1")
@@ -538,16 +554,28 @@ def serve_config(ns: argparse.Namespace, environ: Mapping[str, str] | None = Non
     return place_replicas(config, available_cpus(), cuda_device_count())
 
 
+def _check_resizing(config: ServeConfig, values: dict[str, Any]) -> None:
+    """``--max-data-parallel-size``: at least ``-dp``, and only where a resize can act: engines this
+    tree starts, all of them on this host, and a config file to read again."""
+    engine = config.engine
+    if engine.max_data_parallel_size is None:
+        return
+    flag = "argument --max-data-parallel-size"
+    if engine.max_data_parallel_size < engine.data_parallel_size:
+        raise ValueError(f"{flag}: {engine.max_data_parallel_size} is below -dp {engine.data_parallel_size}")
+    if engine.kind == "external" or "data_parallel_size_local" in values:
+        raise ValueError(f"{flag}: a resize starts and retires engines on this host; not with remote ones")
+    if config.supervisor.config_file is None:
+        raise ValueError(f"{flag}: a resize is a reload of --config FILE (SIGHUP); give --config")
+
+
 def place_replicas(config: ServeConfig, cpus: frozenset[int], cuda_count: int) -> ServeConfig:
     """``config`` with its local ranks placed (``engine.device_ids``; runtime/placement.py has the
     rules). Given ids are checked against this host; without them a model with several local ranks
     takes the first devices, and the other engines (mock, reference: no model) stay unplaced."""
     engine, worker = config.engine, config.worker
-    local = (
-        engine.data_parallel_size
-        if engine.data_parallel_size_local is None
-        else engine.data_parallel_size_local
-    )
+    # Every rank a resize may start is placed now (they are local: ``_check_resizing``).
+    local = engine.capacity if engine.data_parallel_size_local is None else engine.data_parallel_size_local
     cuda = worker.device.startswith("cuda") or (worker.device == "auto" and cuda_count > 0)
     if engine.device_ids:
         if engine.kind == "external":

@@ -206,6 +206,8 @@ class SupervisorConfig(_Section, frozen=True):
     engine_ready_timeout: PositiveFloat = 120.0
     # When the engine core dies: restart it with backoff ("always"), or drain and exit 1 ("never").
     engine_restart: Literal["always", "never"] = "always"
+    config_file: str | None = None  # serve --config: the file a SIGHUP reads again (a resize)
+    drain_timeout: PositiveFloat = 300.0  # seconds a replica a resize retires may take to drain
 
 
 # --------------------------------------------------------------------------------------------------
@@ -221,6 +223,10 @@ class EngineConfig(_Section, frozen=True):
     handshake_address: str | None = None  # where engine cores join; None: the API server's own
     engine_index: NonNegative = 0
     data_parallel_size: Positive = 1  # engine cores, each with its own workers and KV ledger
+    # The most engine cores a resize may reach (a --config reload on SIGHUP, docs/replicas.md); the
+    # tree's sockets, tables and placement are sized for it at start. None: data_parallel_size (no
+    # resizing).
+    max_data_parallel_size: Positive | None = None
     # Of those, how many this host starts (serve: ranks 0..K-1; engine-core --headless: from
     # data_parallel_start_rank); None: all of them. The others join over TCP from other hosts.
     data_parallel_size_local: NonNegative | None = None
@@ -240,6 +246,11 @@ class EngineConfig(_Section, frozen=True):
     engine_output_hwm: NonNegative = 64  # ZMQ high-water mark, engine -> API server, in steps; 0 = unbounded
     engine_output_policy: EngineOutputPolicy = "fold"
     step_time_us: NonNegative = 0  # reference executor: time per forward
+
+    @property
+    def capacity(self) -> int:
+        """The engine ranks the tree is sized for: ``max_data_parallel_size``, else the DP size."""
+        return max(self.data_parallel_size, self.max_data_parallel_size or 0)
 
 
 class WorkerConfig(_Section, frozen=True):
@@ -303,7 +314,7 @@ class ServeConfig(_Section, frozen=True):
     @property
     def supervised(self) -> bool:
         """Whether ``serve`` starts a supervisor process (several API servers or engine cores)."""
-        return self.api_server_count > 1 or self.engine.data_parallel_size > 1
+        return self.api_server_count > 1 or self.engine.capacity > 1
 
     def engine_process(self, handshake_address: str, engine_index: int = 0) -> EngineProcessConfig:
         """The engine-core process's part: engine ``engine_index``, joining at ``handshake_address``."""

@@ -41,7 +41,8 @@ import yaml
 
 from trioserve.config import ServeConfig, setting_names
 
-_SETTINGS = setting_names(ServeConfig)
+# ``config_file`` is where the file itself is (cli.py sets it): not a setting a file can hold.
+_SETTINGS = {name: path for name, path in setting_names(ServeConfig).items() if name != "config_file"}
 
 
 def _tuple_settings() -> frozenset[str]:

@@ -26,8 +26,10 @@ def test_every_setting_has_one_flag_on_serve() -> None:
     dests = _dests(_subparser("serve"))
     assert len(dests) == len(set(dests)), "a flag defined twice"
     # Every setting has a flag but the engine's own rank and the headless launcher's (serve gives each
-    # engine core its rank; --headless and its start rank are engine-core's).
+    # engine core its rank; --headless and its start rank are engine-core's; ``config_file`` is
+    # --config's own path, which serve keeps for a reload).
     assert set(dests) == set(setting_names(ServeConfig)) - {
+        "config_file",
         "engine_index",
         "headless",
         "data_parallel_start_rank",
@@ -39,11 +41,12 @@ def test_engine_core_flags_are_the_engine_settings(command: str) -> None:
     dests = _dests(_subparser(command))
     assert len(dests) == len(set(dests))
     # The names clients use and the tokenizer are the API server's alone; placement is serve's (it
-    # starts the ranks; an engine core started by hand runs where it is started).
+    # starts the ranks; an engine core started by hand runs where it is started), and so is resizing.
     assert set(dests) == set(setting_names(EngineProcessConfig)) - {
         "served_model_name",
         "tokenizer",
         "device_ids",
+        "max_data_parallel_size",
     }
 
 

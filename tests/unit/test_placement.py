@@ -235,7 +235,8 @@ def test_a_config_file_writes_the_same_configuration_as_the_flags(tmp_path: Path
     ]  # fmt: skip
     from_flags = serve_config(build_parser().parse_args(flags))
     from_file = serve_config(build_parser().parse_args(["serve", "--config", str(cfg)]))
-    assert from_file == from_flags
+    assert from_file.supervisor.config_file == str(cfg.resolve())  # kept for a reload (SIGHUP)
+    assert override(from_file, config_file=None) == from_flags
     over = serve_config(build_parser().parse_args(["serve", "--config", str(cfg), "--base-ejection-ms", "9"]))
     assert over.frontend.dispatch.base_ejection_ms == 9
     assert over.frontend.dispatch.consecutive_timeouts == 5

@@ -45,6 +45,12 @@ A core that fails (``ExecutorFailed``: a worker died, hung or raised), during a 
 engine is idle, ends the engine: every API server gets ``EngineDead`` with the reason (and fails the
 requests it holds with it), then ``run`` raises and the process exits with an error. Nothing waits on
 a dead worker. ``ShutdownEngine`` ends ``run`` after the current step.
+
+Retirement (a resize retires this replica, docs/replicas.md): each client sends ``ClientDone`` after
+the last add it placed here. Once every client it joined has, and the core holds no request (nor a
+refusal still to send), the busy loop sends every client ``EngineRetired``, after anything the output
+pump still holds, and ``run`` returns: the process exits 0. A ``ClientReset`` takes its index's word
+back (the restarted API server gives its own).
 """
 
 from __future__ import annotations
@@ -71,11 +77,13 @@ from trioserve.protocol.codec import ProtocolError, engine_input_codec, load_rep
 from trioserve.protocol.messages import (
     AbortRequests,
     AddRequest,
+    ClientDone,
     ClientReset,
     EngineDead,
     EngineInput,
     EngineOutputs,
     EngineReady,
+    EngineRetired,
     EngineStats,
     RequestOutput,
     ShutdownEngine,
@@ -108,6 +116,7 @@ class EngineCore:
         self._rejected: dict[int, list[RequestOutput]] = {}
         self._work = Waker()
         self._shutdown = False
+        self._done: set[int] = set()  # clients that sent ClientDone: they send this engine no more adds
         self.step_count = 0
         self.pump: OutputPump | None = None
         self.step_watch = StepWatch(ceiling=step_timeout)
@@ -158,6 +167,9 @@ class EngineCore:
                     log.info("API server %d was restarted: dropping its %d requests", client, len(orphans))
                     self.core.abort(orphans)
                 self._rejected.pop(client, None)
+                self._done.discard(client)  # the new process says for itself whether it is done
+            case ClientDone(client_index=client):
+                self._done.add(client)
         self._work.set()
 
     async def _busy_loop(self, pump: OutputPump, ready: EngineReady) -> None:
@@ -180,6 +192,11 @@ class EngineCore:
                 if self._rejected:
                     await self._send({}, pump)
                     continue
+                if len(self._done) >= pump.num_clients and not core.has_work:
+                    # Retired (a resize): every client is done with this engine and nothing is left.
+                    log.info("engine core %d retired: every client is done with it", ready.engine_index)
+                    await pump.send_last(EngineRetired(ready.engine_index))
+                    return
                 await pump.send_stats(core.has_work, self._stats_message)  # idle report, heartbeats
                 due = pump.heartbeat.next_due()
                 if self._coordinator is not None:
@@ -207,7 +224,7 @@ class EngineCore:
     async def _die(self, reason: str, pump: OutputPump) -> NoReturn:
         """The model cannot run any more: tell every API server (each fails the requests it holds with
         ``reason``), then end this process with an error."""
-        await pump.send_dead(EngineDead(self.config.engine_index, reason))
+        await pump.send_last(EngineDead(self.config.engine_index, reason))
         raise ExecutorFailed(reason)
 
     async def _send(

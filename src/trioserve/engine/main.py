@@ -122,7 +122,7 @@ def run_engine_core(config: EngineProcessConfig) -> int:
     """The engine-core process's main (``python -m trioserve engine-core``): title, logging, then
     the engine until it ends; returns the exit code (the module docstring says which)."""
     engine = config.engine
-    set_title(rank_title("EngineCore", engine.engine_index, engine.data_parallel_size))
+    set_title(rank_title("EngineCore", engine.engine_index, engine.capacity))
     setup_logging(config.log_level)
     configure_security(engine.engine_secret)
     place(config)

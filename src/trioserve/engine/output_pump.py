@@ -30,7 +30,7 @@ import trio
 
 from trioserve.protocol.codec import engine_output_codec
 from trioserve.protocol.fold import fold_outputs
-from trioserve.protocol.messages import HEARTBEAT_INTERVAL, EngineDead, EngineOutputs
+from trioserve.protocol.messages import HEARTBEAT_INTERVAL, EngineDead, EngineOutputs, EngineRetired
 from trioserve.runtime.sync import Waker
 from trioserve.transport.zmq_socket import TrioZmqSocket
 
@@ -170,14 +170,14 @@ class OutputPump:
             msg.stats.folded_steps = self.folded_steps
             self._sockets[client].try_send_multipart([self._codec.encode(msg)])  # full: skipped
 
-    async def send_dead(self, dead: EngineDead, timeout: float = 2.0) -> None:
-        """The last message to every API server: what is held goes first, then ``dead``. Gives up
+    async def send_last(self, last: EngineDead | EngineRetired, timeout: float = 2.0) -> None:
+        """The last message to every API server: what is held goes first, then ``last``. Gives up
         after ``timeout`` seconds (an API server that reads nothing more would keep us forever)."""
         with trio.move_on_after(timeout):
             if self.policy == "fold" and self._held:
                 self._drained = trio.Event()  # the sender task sets it once nothing is held
                 await self._drained.wait()
-            frame = self._codec.encode(dead)
+            frame = self._codec.encode(last)
             for sock in self._sockets:
                 await sock.send_multipart([frame])
 

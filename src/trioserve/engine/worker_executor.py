@@ -112,7 +112,7 @@ class WorkerExecutorConfig:
             result_slot_bytes=step_result_bytes(engine.max_num_batched_tokens, engine.max_num_seqs),
             log_level=config.log_level,
             engine_index=engine.engine_index,
-            data_parallel_size=engine.data_parallel_size,
+            data_parallel_size=engine.capacity,  # for titles: the ranks the tree is sized for
         )
 
     @property

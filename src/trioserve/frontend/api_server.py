@@ -72,6 +72,8 @@ class ApiServer:
         replica_slots: ReplicaSlots | None = None,
         devices: tuple[str, ...] = (),
         batch_limits: tuple[int, int] | None = None,
+        desired: int | None = None,
+        roster_epoch: int = 0,
     ) -> None:
         """``engine_output_hwm``: the receiving end of the engines' output sockets (their section's
         setting, as both ends of a ZMQ pair set it); ``engine_ready_timeout``: how long ``run`` waits
@@ -81,7 +83,8 @@ class ApiServer:
         ``replica_slots``: least-outstanding-bytes' table shared by every API server; ``devices``:
         where each replica runs (the inventory shows it); ``batch_limits``: the engines'
         ``max_num_seqs`` and ``max_num_batched_tokens`` as configured (a replica reporting others is
-        kept out of dispatch)."""
+        kept out of dispatch); ``desired``: the replicas wanted now, of the ``num_engines`` the tree is
+        sized for (None: all), as the supervisor's roster ``roster_epoch`` said."""
         self.engine_ready_timeout = engine_ready_timeout
         self.frontend = frontend
         self.client_index = client_index
@@ -119,6 +122,8 @@ class ApiServer:
             pool=self.pool,
             devices=devices,
             batch_limits=batch_limits,
+            desired=desired,
+            roster_epoch=roster_epoch,
         )
         self._ctx = ctx
         streams = frontend.streams
@@ -295,7 +300,7 @@ class ApiServer:
         )
         if pool.n > 1:
             now = trio.current_time()
-            states = [book.state(r, now) for r in range(pool.n)]
+            states = [book.state(r, now) for r in range(book.n_replicas)]
             counters["trioserve:replica_ejections_total"] = (
                 "Times a replica was ejected from dispatch for consecutive timeouts.",
                 book.ejections_total,

@@ -49,6 +49,7 @@ from trioserve.frontend.engine_health import EngineHealth, Stall
 from trioserve.frontend.output.step_queue import StepQueue
 from trioserve.frontend.replica_health import HealthEvent, OutlierRules
 from trioserve.frontend.replica_pool import ReplicaPool
+from trioserve.frontend.replica_roster import Roster
 from trioserve.protocol.codec import ProtocolError, engine_input_codec, engine_output_codec, handshake_codec
 from trioserve.protocol.messages import (
     HEARTBEAT_INTERVAL,
@@ -56,11 +57,14 @@ from trioserve.protocol.messages import (
     AbortRequests,
     AddRequest,
     ClientAddresses,
+    ClientDone,
     ClientReset,
     EngineDead,
     EngineHello,
     EngineOutputs,
     EngineReady,
+    EngineRetired,
+    ReplicaRoster,
     SamplingParams,
     ShutdownEngine,
     Welcome,
@@ -121,6 +125,8 @@ class EngineClient:
         pool: ReplicaPool | None = None,
         devices: Sequence[str] = (),
         batch_limits: tuple[int, int] | None = None,
+        desired: int | None = None,
+        roster_epoch: int = 0,
     ) -> None:
         """``handshake_address`` None: someone else greets engines (the supervisor); ``welcome``: the
         API servers an engine must join (default: this one); ``policy``: with several engines, which
@@ -128,7 +134,10 @@ class EngineClient:
         has joined, not all (a restarted API server serves while a dead engine is still away);
         ``pool``: deadlines and replica health (default: the seed's rules, no deployment deadline);
         ``devices``: where each replica runs, for the inventory; ``batch_limits``: the
-        ``max_num_seqs`` and ``max_num_batched_tokens`` the deployment set (None: not checked)."""
+        ``max_num_seqs`` and ``max_num_batched_tokens`` the deployment set (None: not checked);
+        ``desired``: the replicas wanted now, ranks below it (None: all ``num_engines``, the ranks
+        the tree is sized for; ``frontend/replica_roster.py``), as the supervisor's roster number
+        ``roster_epoch`` said (0: none yet)."""
         if num_engines > 1 and policy is None:
             raise ValueError("several engines need a dispatch policy")
         self.output_hwm = output_hwm
@@ -139,6 +148,9 @@ class EngineClient:
         self.num_engines = num_engines
         self.client_index = client_index
         self.policy = policy
+        self.roster = Roster(num_engines, desired)
+        self.roster_epoch = roster_epoch
+        self._stops: list[int] = []  # engines to send ShutdownEngine (a retiring one that overran)
         own = [ClientAddresses(input_address, output_address)]
         self._welcome = list(welcome) if welcome is not None else own
         self._coordinator_address = coordinator_address
@@ -157,10 +169,12 @@ class EngineClient:
         self.dropped_adds = 0  # adds never sent: aborted while still queued
         self.health: dict[int, EngineHealth] = {}  # per engine, from its handshake on
         self.joins = 0  # Readys that (re)joined, all engines
+        self.retired: set[int] = set()  # engines that said EngineRetired and have not joined since
         self.on_joined: Callable[[EngineReady], None] = lambda ready: None
         self._on_dead: OnDead = lambda reason, ids, retry_after: None
         self._ready_with_one = ready_with_one
         self.pool = pool or ReplicaPool(OutlierRules(), num_engines, client_index=client_index)
+        self.pool.resize(self.roster.desired)
         self.on_timeout: OnTimeout = lambda request_ids, why: None
         self._timeouts: dict[str, float] = {}  # request id -> its deadline, beside a queued add
         self._fixed: dict[str, int] = {}  # request id -> the replica admission reserved for it
@@ -189,8 +203,9 @@ class EngineClient:
         return EngineLinkView(self, index)
 
     def up_engines(self) -> list[int]:
-        """Engines that take requests now: joined, not dead, not joining again."""
-        return [i for i in self.engines if i not in self.down and i not in self._joining]
+        """Engines that take requests now: joined, not dead, not joining again, wanted (not draining)."""
+        wanted, down, joining = self.roster.wanted, self.down, self._joining
+        return [i for i in self.engines if i not in down and i not in joining and wanted(i)]
 
     def dispatchable(self, now: float) -> list[int]:
         """The up engines a new request may go to: those the replica pool lets (not backed off or
@@ -253,18 +268,24 @@ class EngineClient:
     def next_frame(self, up: Collection[int] = (0,), now: float = 0.0) -> tuple[int, bytes] | None:
         """What the ROUTER's owner sends next, and to which engine, given the engines ``up`` (the
         dispatchable ones) at ``now``: a ClientReset owed, else an engine's queued aborts (one
-        message), else a probe (to its replica, dispatchable or not), else the oldest queued add (to
-        the engine the policy picks); None when nothing can be sent now."""
+        message), else a ``ClientDone`` owed to a draining engine, else a probe (to its replica,
+        dispatchable or not, if wanted), else the oldest queued add (to the engine the policy picks);
+        None when nothing can be sent now."""
         if self._resets:
             engine = self._resets.pop()
             return engine, self._in_codec.encode(ClientReset(self.client_index))
+        if self._stops:
+            return self._stops.pop(), self._in_codec.encode(ShutdownEngine("retired"))
         if self._aborts:
             engine, ids = self._aborts.popitem()
             return engine, self._in_codec.encode(AbortRequests(ids))
+        roster = self.roster
+        if (done := roster.done_due(self._reachable(), set(self._fixed.values()))) is not None:
+            return done, self._in_codec.encode(ClientDone(self.client_index))
         while self._probes:
             engine, _, frame = self._probes.pop()
-            if engine in self.engines and engine not in self.down:  # else its exchange times out
-                return engine, frame
+            if engine in self.engines and engine not in self.down and roster.wanted(engine):
+                return engine, frame  # else its exchange times out
         order, adds, keys = self._add_order, self._adds, self._keys
         while order and order[0] not in adds:  # dropped by an abort
             keys.pop(order.popleft(), None)
@@ -294,21 +315,51 @@ class EngineClient:
             self._exchange_wake.set()
         return engine, add
 
+    def _reachable(self) -> list[int]:
+        """Engines a message can go to now: joined, not dead, not joining again."""
+        return [i for i in self.engines if i not in self.down and i not in self._joining]
+
+    def resize(self, desired: int, epoch: int) -> None:
+        """The replicas wanted now are ranks below ``desired`` (the supervisor's ``ReplicaRoster``
+        number ``epoch``; an older one than held is ignored): those at or past it that joined begin
+        draining (no new request; ``ClientDone`` once the adds already placed there are sent)."""
+        if epoch < self.roster_epoch:
+            return
+        self.roster_epoch = epoch
+        before = self.roster.desired
+        draining = self.roster.resize(desired, self.engines)
+        self.pool.resize(self.roster.desired)
+        if self.roster.desired != before:
+            log.info(
+                "replicas wanted: %d (were %d); draining: %s", self.roster.desired, before, draining or "none"
+            )
+        self._link_changed.set()
+        self._wake.set()
+
+    def shut_down(self, index: int) -> None:
+        """Tell engine ``index`` to shut down (after its current step)."""
+        self._stops.append(index)
+        self._wake.set()
+
     def inventory(self, now: float) -> dict[str, object]:
         """``GET /v1/replicas``: the replicas as this API server sees them (each API server keeps its
-        own health view; docs/replicas.md). A replica's state: ``starting`` (never joined),
-        ``failed`` (its engine is down), else the health book's ``ready``, ``backoff`` or
-        ``ejected``."""
-        pool, up = self.pool, self.up_engines()
+        own health view; docs/replicas.md): the wanted ones, and those still draining. A replica's
+        state: ``starting`` (never joined), ``failed`` (its engine is down), ``draining`` (no longer
+        wanted, still up), else the health book's ``ready``, ``backoff`` or ``ejected``."""
+        pool, up, roster = self.pool, self.up_engines(), self.roster
         replicas: list[dict[str, object]] = []
         for index in range(self.num_engines):
             ready = self.engines.get(index)
-            health = pool.book.view(index, now) if index < pool.n else {}
+            if not roster.wanted(index) and (ready is None or index in self.down):
+                continue  # retired, or never started
+            health = pool.book.view(index, now) if index < pool.book.n_replicas else {}
             state = health.get("state", "ready")
             if ready is None:
                 state = "starting"
             elif index in self.down or index in self._joining:
                 state = "failed" if index in self.down else "starting"
+            elif not roster.wanted(index):
+                state = "draining"
             entry: dict[str, object] = {
                 "index": index,
                 "state": state,
@@ -330,7 +381,8 @@ class EngineClient:
         return {
             "object": "list",
             "api_server": self.client_index,
-            "desired": self.num_engines,
+            "desired": roster.desired,
+            "capacity": self.num_engines,
             "ready": len(up),
             "dispatchable": len(self.dispatchable(now)),
             "data": replicas,
@@ -407,6 +459,8 @@ class EngineClient:
                 self._on_dead(self.down[index], None, retry_after)  # a better Retry-After
             return
         self.down[index] = reason
+        if not self.roster.wanted(index):
+            self.roster.retired(index)  # a draining engine that died: it is owed nothing more
         self.pool.engine_failed(index, trio.current_time())
         self._log_health()
         health = self.health.get(index)
@@ -524,8 +578,10 @@ class EngineClient:
         self.engine_joins[index] = self.engine_joins.get(index, 0) + 1
         self.joins += 1
         log.info("engine %d ready (%s, pid %d)", index, ready.kind, ready.pid)
+        self.retired.discard(index)
+        self.roster.joined(index)  # a draining engine that joins again is owed ClientDone again
         self._link_changed.set()
-        if self._ready_with_one or len(self.engines) == self.num_engines:
+        if self._ready_with_one or sum(map(self.roster.wanted, self.engines)) >= self.roster.desired:
             self._joined.set()
         self.on_joined(ready)
 
@@ -586,7 +642,28 @@ class EngineClient:
                     known = self.engines.get(index)
                     if pid and known is not None and known.pid != pid:
                         continue  # about a process that was replaced already
+                    if known is None and not self.roster.wanted(index):
+                        continue  # retired already
                     self.engine_died(index, f"engine {index} failed: {reason}")
+                case EngineRetired(engine_index=index):
+                    self._retired(index)
+                case ReplicaRoster(desired=desired, epoch=epoch):
+                    self.resize(desired, epoch)
+
+    def _retired(self, index: int) -> None:
+        """Engine ``index`` retired (every client was done with it, and it held nothing): it is gone
+        without a failure, and no longer shown."""
+        if index not in self.engines:
+            return
+        if any(engine == index for engine in self._placed.values()):  # cannot be: it said it was idle
+            self.engine_died(index, f"engine {index} retired while requests were placed there")
+        for book in (self.engines, self.down, self.health, self.mismatched, self.engine_joins):
+            book.pop(index, None)
+        self._joining.discard(index)
+        self.roster.retired(index)
+        self.retired.add(index)
+        log.info("replica %d retired", index)
+        self._link_changed.set()
 
     async def _watch_exchanges(self) -> None:
         """The replica pool's clock: ends the exchanges past their deadline (504 through

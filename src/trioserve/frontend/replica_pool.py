@@ -107,7 +107,8 @@ class ReplicaPool:
             return
         if finished:
             del self.exchanges[request_id]
-            self.events += self.book.success(ex.replica, now)
+            if ex.replica < self.book.n_replicas:  # else a draining replica's: no longer judged
+                self.events += self.book.success(ex.replica, now)
         else:
             ex.due = now + ex.timeout_s  # the heap entry is corrected when it comes up
 
@@ -120,7 +121,7 @@ class ReplicaPool:
         (their requests fail with the engine)."""
         for rid in [rid for rid, ex in self.exchanges.items() if ex.replica == replica]:
             del self.exchanges[rid]
-        if replica < self.n:
+        if replica < self.book.n_replicas:
             self.events += self.book.failure(replica, now)
 
     # ---- the shell's clock ---------------------------------------------------------------------------
@@ -141,6 +142,8 @@ class ReplicaPool:
                 continue
             del self.exchanges[rid]
             expired.append((rid, ex.replica, ex.probe))
+            if ex.replica >= self.book.n_replicas:
+                continue  # a draining replica's: it fails with 504, and the replica is not judged
             if ex.probe:
                 self.events += self.book.failure(ex.replica, now)
                 continue
@@ -173,6 +176,12 @@ class ReplicaPool:
             out.append((rid, replica))
         return out
 
+    def resize(self, desired: int) -> None:
+        """The replicas wanted now are ``0 .. desired - 1`` (a resize, ``frontend/replica_roster.py``):
+        the health book judges only those; a replica wanted again starts with fresh health. Totals
+        and exchanges in flight stay (a draining replica's still end, with no verdict)."""
+        self.book.resize(max(1, min(desired, self.n)))
+
     def dispatchable(self, up: Sequence[int], now: float) -> list[int]:
         """Of the ``up`` replicas, those the health book lets take new requests (it serves anyway
         from the backed-off or ejected ones when nothing else is up)."""
@@ -182,9 +191,10 @@ class ReplicaPool:
 
     def up_flags(self, up: Sequence[int]) -> list[bool]:
         """``up`` (engine indices) as the book's per-replica flags."""
-        flags = [False] * self.n
+        n = self.book.n_replicas
+        flags = [False] * n
         for i in up:
-            if i < self.n:
+            if i < n:
                 flags[i] = True
         return flags
 

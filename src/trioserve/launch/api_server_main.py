@@ -53,6 +53,8 @@ async def _serve(launch: ApiServerLaunch, listener: socket.socket) -> None:
         connection_loads=launch.connection_loads,
         replica_slots=launch.replica_slots,
         incarnation=launch.incarnation,
+        desired=launch.desired,
+        roster_epoch=launch.roster_epoch,
     )
     gc.collect()
     gc.freeze()

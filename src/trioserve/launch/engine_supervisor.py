@@ -19,7 +19,8 @@ the engine core puts on a worker's step) it is killed, and so it is dead as abov
 answered 503 since the stall bound (seconds, not minutes) passed.
 
 The first engine is different: one that exits before it ever joined is a start-up error (a bad model
-path, say) and ends the API server whatever the policy (``EngineStartupError``).
+path, say) and ends the API server whatever the policy (``EngineStartupError``); except for a
+replica a resize adds (``startup_error=False``), which is restarted as above.
 
 The shell is written against two small protocols, the process (``trio.Process``) and the link (the
 engine client), so its rules run on a MockClock with fakes of both.
@@ -132,8 +133,12 @@ class EngineSupervisor:
         on_restart: Callable[[], None] = lambda: None,
         dead_grace: float = DEAD_GRACE,
         silence_timeout: float | None = None,
+        startup_error: bool = True,
     ) -> None:
         self._spawn = spawn
+        # False: a first engine that exits before it joined is restarted like any other (a replica
+        # a resize adds: the tree serves already, docs/replicas.md), not a start-up error.
+        self.startup_error = startup_error
         self.link = link
         self.on_dead = on_dead  # (reason, Retry-After seconds): fail in-flight requests, refuse new ones
         self.on_restart = on_restart
@@ -177,7 +182,7 @@ class EngineSupervisor:
             if self.stopping:
                 return
             reason = f"the engine process {exit_text(proc.returncode)}"
-            if self.link.joins == 0:
+            if self.link.joins == 0 and self.startup_error:
                 raise EngineStartupError(f"{reason} during start-up")
             delay = self.backoff.failed(trio.current_time())
             # The next engine is expected after the delay plus the time the last one took to join.

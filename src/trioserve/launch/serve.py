@@ -74,9 +74,12 @@ def api_server(
     connection_loads: str = "",
     replica_slots: str = "",
     incarnation: int = 0,
+    desired: int = 0,
+    roster_epoch: int = 0,
 ) -> ApiServer:
     """An API server, given its sections of ``config``; under a supervisor, its place in the tree
-    (``launch/api_server_main.py``; ``incarnation`` > 0: it replaces one that died)."""
+    (``launch/api_server_main.py``; ``incarnation`` > 0: it replaces one that died; ``desired``: the
+    replicas wanted at its start, 0: ``-dp``, as roster ``roster_epoch`` said)."""
     count = config.api_server_count
     balance = None
     if connection_loads:
@@ -88,6 +91,7 @@ def api_server(
         from trioserve.frontend.replica_slots import ReplicaSlots
 
         slots = ReplicaSlots.open(replica_slots, api_servers=count)
+    engine = config.engine
     return ApiServer(
         config.model,
         config.frontend,
@@ -96,7 +100,7 @@ def api_server(
         addresses,
         engine_output_hwm=config.engine.engine_output_hwm,
         engine_ready_timeout=config.supervisor.engine_ready_timeout,
-        num_engines=config.engine.data_parallel_size,
+        num_engines=engine.capacity,
         client_index=client_index,
         api_server_count=count,
         ipc_dir=ipc_dir,
@@ -104,8 +108,10 @@ def api_server(
         accept_balance=balance,
         restarted=incarnation > 0,
         replica_slots=slots,
-        devices=config.engine.device_ids,
-        batch_limits=(config.engine.max_num_seqs, config.engine.max_num_batched_tokens),
+        devices=engine.device_ids,
+        batch_limits=(engine.max_num_seqs, engine.max_num_batched_tokens),
+        desired=desired or engine.data_parallel_size,
+        roster_epoch=roster_epoch,
     )
 
 

@@ -40,6 +40,7 @@ import trio
 import zmq
 
 from trioserve.config import ServeConfig
+from trioserve.config_file import load_config_file
 from trioserve.frontend.dispatch import RoundRobin
 from trioserve.frontend.edge.accept_balance import ConnectionLoads
 from trioserve.frontend.engine_client import EngineClient
@@ -54,6 +55,7 @@ from trioserve.launch.engine_supervisor import (
     RestartBackoff,
     exit_text,
 )
+from trioserve.launch.resize import ReplicaSet, read_resize
 from trioserve.protocol.codec import engine_output_codec
 from trioserve.protocol.messages import EngineDead
 from trioserve.runtime.process import until_first, watch_signals
@@ -78,6 +80,8 @@ class ApiServerLaunch(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     connection_loads: str = ""  # the accept balance's shared file ("": one API server)
     replica_slots: str = ""  # least-outstanding-bytes: the shared in-flight table ("": another policy)
     incarnation: int = 0  # 0 first; n: the n-th restart of this index
+    desired: int = 0  # the replicas wanted when it starts (a resize changes it); 0: -dp
+    roster_epoch: int = 0  # the roster that said so (launch/resize.py); 0: none yet
 
 
 @dataclass(slots=True)
@@ -152,30 +156,32 @@ async def supervise(config: ServeConfig, listener: socket.socket, ipc_dir: str) 
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     tree = _Tree()
     count, dp = config.api_server_count, config.engine.data_parallel_size
+    capacity = config.engine.capacity  # the ranks a resize may reach (launch/resize.py)
     layout = AddressLayout.of(config.engine.handshake_address, ipc_dir)
     apis = [layout.client(i) for i in range(count)]
     own = layout.client(count)
     handshake = layout.handshake
-    coord_in, coord_out = layout.coordinator(count) if dp > 1 else ("", "")
+    coord_in, coord_out = layout.coordinator(count) if capacity > 1 else ("", "")
     link = EngineClient(
         ctx,
         handshake_address=handshake,
         input_address=own.input_address,
         output_address=own.output_address,
-        num_engines=dp,
+        num_engines=capacity,
         client_index=count,
         welcome=[*apis, own],
         coordinator_address=coord_in,
-        policy=RoundRobin(dp) if dp > 1 else None,  # it sends no requests
+        policy=RoundRobin(capacity) if capacity > 1 else None,  # it sends no requests
+        desired=dp,
     )
     loads_path = ""
     if count > 1:
         loads_path = f"{ipc_dir}/connections"
         tree.loads = ConnectionLoads.create(loads_path, count)
     slots_path = ""
-    if dp > 1 and config.frontend.dispatch.dispatch == "least-outstanding-bytes":
+    if capacity > 1 and config.frontend.dispatch.dispatch == "least-outstanding-bytes":
         slots_path = f"{ipc_dir}/replica_slots"
-        tree.slots = ReplicaSlots.create(slots_path, count, dp)
+        tree.slots = ReplicaSlots.create(slots_path, count, capacity)
 
     def make_launch(index: int, incarnation: int) -> ApiServerLaunch:
         return ApiServerLaunch(
@@ -188,15 +194,26 @@ async def supervise(config: ServeConfig, listener: socket.socket, ipc_dir: str) 
             connection_loads=loads_path,
             replica_slots=slots_path,
             incarnation=incarnation,
+            desired=replicas.desired,
+            roster_epoch=replicas.epoch,
         )
 
     # Death notices in an engine's name, to every API server (the engine that died said nothing).
     notices = [TrioZmqSocket.create(ctx, zmq.PUSH, connect=api.output_address) for api in apis]
     pids: dict[int, int] = {}
     local = local_ranks(config)
-    engine_supervisors = [
-        _engine_supervisor(config, link, index, handshake, pids, notices) for index in local
-    ]
+
+    def make(index: int, at_start: bool) -> EngineSupervisor:
+        return _engine_supervisor(config, link, index, handshake, pids, notices, startup_error=at_start)
+
+    replicas = ReplicaSet(
+        make,
+        link,
+        notices,
+        desired=dp,
+        drain_timeout=config.supervisor.drain_timeout,
+        notify_dead=lambda index, reason: _notify(notices, index, reason, pids.get(index, 0)),
+    )
     remote = [index for index in range(dp) if index not in local]
 
     def api_server(index: int) -> KeepRunning:
@@ -221,13 +238,13 @@ async def supervise(config: ServeConfig, listener: socket.socket, ipc_dir: str) 
             await nursery.start(watch_signals, stop)
             if layout.tcp_host is not None:
                 await nursery.start(serve_zap, ctx)  # before the TCP sockets bind
-            if dp > 1:
+            if capacity > 1:
                 from trioserve.coordinator.main import CoordinatorLaunch
 
                 launch = CoordinatorLaunch(
                     engines_address=coord_in,
                     publish_address=coord_out,
-                    num_engines=dp,
+                    num_engines=capacity,
                     log_level=config.log_level,
                 )
                 coordinator = child_command("dp-coordinator", "--launch", launch)
@@ -235,8 +252,9 @@ async def supervise(config: ServeConfig, listener: socket.socket, ipc_dir: str) 
                     coordinator.env[SECRET_ENV] = config.engine.engine_secret
                 await nursery.start(KeepRunning(tree, "the DP coordinator", lambda _: (coordinator, ())).run)
             async with trio.open_nursery() as engines:
-                for sup in engine_supervisors:
-                    await engines.start(sup.run)
+                await replicas.start(engines, local)
+                if config.supervisor.config_file is not None:
+                    await engines.start(_reload_on_sighup, config, replicas)
                 with trio.fail_after(config.supervisor.engine_ready_timeout):
                     await engines.start(link.run, heartbeats, lambda *_: None)
                 engines.start_soon(_discard, heartbeats)
@@ -255,12 +273,10 @@ async def supervise(config: ServeConfig, listener: socket.socket, ipc_dir: str) 
                         dp,
                         ", ".join(config.model.model_names),
                     )
-                    failed = [sup.failed.wait for sup in engine_supervisors]
-                    await until_first(stop.wait, *failed)
+                    await until_first(stop.wait, replicas.failed.wait)
                     log.info("shutting down: draining %d API servers", count)
                     tree.stopping = True
-                    for sup in engine_supervisors:
-                        sup.stop()
+                    replicas.stop()
                     for watch in watches:
                         watch.terminate()
                     # Each API server drains and exits by itself; its watch reaps it.
@@ -275,9 +291,8 @@ async def supervise(config: ServeConfig, listener: socket.socket, ipc_dir: str) 
         if tree.slots is not None:
             tree.slots.close()
         ctx.destroy(linger=0)
-    failures = [sup.failure for sup in engine_supervisors if sup.failure is not None]
-    if failures:
-        raise EngineFailed(failures[0])
+    if replicas.failures:
+        raise EngineFailed(replicas.failures[0])
 
 
 def local_ranks(config: ServeConfig) -> list[int]:
@@ -327,6 +342,8 @@ def _engine_supervisor(
     handshake: str,
     pids: dict[int, int],
     notices: list[TrioZmqSocket],
+    *,
+    startup_error: bool = True,
 ) -> EngineSupervisor:
     from trioserve.launch.serve import engine_command
 
@@ -348,7 +365,39 @@ def _engine_supervisor(
         restart=config.supervisor.engine_restart,
         ready_timeout=config.supervisor.engine_ready_timeout,
         silence_timeout=config.worker.worker_step_timeout,
+        startup_error=startup_error,
     )
+
+
+async def _reload_on_sighup(
+    config: ServeConfig,
+    replicas: ReplicaSet,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """SIGHUP: read ``--config`` again and resize to its replica count (``launch/resize.py``); a file
+    that cannot be read or asks what a reload cannot do is refused with a logged error."""
+    path = config.supervisor.config_file
+    assert path is not None
+    baseline = load_config_file(path)  # what the settings were at start (cli.py read it just now)
+    with trio.open_signal_receiver(signal.SIGHUP) as signals:
+        task_status.started()
+        async for _ in signals:
+            try:
+                settings = await trio.to_thread.run_sync(load_config_file, path)
+                resize = read_resize(
+                    settings, baseline, capacity=config.engine.capacity, placed=config.engine.device_ids
+                )
+            except ValueError as exc:  # ConfigFileError is one
+                log.error("reload of %s refused: %s", path, exc)  # noqa: TRY400  (one line says it)
+                continue
+            if resize.ignored:
+                log.warning(
+                    "reload of %s: %s changed; a reload applies only the replica count (a restart the rest)",
+                    path,
+                    ", ".join(resize.ignored),
+                )
+            await replicas.resize(resize.desired)
 
 
 async def _discard(queue: StepQueue) -> None:

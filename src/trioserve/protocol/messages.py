@@ -156,7 +156,16 @@ class ClientReset(_Wire, tag="reset"):
     client_index: int
 
 
-EngineInput = AddRequest | AbortRequests | ShutdownEngine | ClientReset
+class ClientDone(_Wire, tag="done"):
+    """Client ``client_index`` sends this engine no more requests: its replica is retiring (a resize,
+    docs/replicas.md). Sent after the last add the client placed there; its aborts may still follow.
+    An engine that has heard it from every client it joined, and holds no request, says
+    ``EngineRetired`` to all of them and exits."""
+
+    client_index: int
+
+
+EngineInput = AddRequest | AbortRequests | ShutdownEngine | ClientReset | ClientDone
 
 
 # --------------------------------------------------------------------------------------------------
@@ -242,7 +251,24 @@ class EngineDead(_Wire, tag="dead"):
     pid: int = 0
 
 
-EngineOutputMessage = EngineOutputs | EngineDead
+class EngineRetired(_Wire, tag="retired"):
+    """An engine's last message to each client after ``ClientDone`` from all of them: every request
+    it held has finished (its outputs went first, on the same socket), and it exits now."""
+
+    engine_index: int
+
+
+class ReplicaRoster(_Wire, tag="roster"):
+    """The supervisor to every API server (on the socket its ``EngineDead`` notices use): the
+    replicas wanted now are ranks ``0 .. desired - 1``. A rank at or past it that is still up is
+    draining: it gets no new request, and its client owes it ``ClientDone``. ``epoch``: 1 for the
+    first resize, then one more each time; a client ignores a roster older than the one it holds."""
+
+    desired: int
+    epoch: int = 0
+
+
+EngineOutputMessage = EngineOutputs | EngineDead | EngineRetired | ReplicaRoster
 
 
 # --------------------------------------------------------------------------------------------------
