@@ -204,8 +204,7 @@ class EngineClient:
 
     def up_engines(self) -> list[int]:
         """Engines that take requests now: joined, not dead, not joining again, wanted (not draining)."""
-        wanted, down, joining = self.roster.wanted, self.down, self._joining
-        return [i for i in self.engines if i not in down and i not in joining and wanted(i)]
+        return [i for i in self._reachable() if self.roster.wanted(i)]
 
     def dispatchable(self, now: float) -> list[int]:
         """The up engines a new request may go to: those the replica pool lets (not backed off or
@@ -662,7 +661,7 @@ class EngineClient:
         self._joining.discard(index)
         self.roster.retired(index)
         self.retired.add(index)
-        log.info("replica %d retired", index)
+        log.info("engine %d retired (a resize)", index)
         self._link_changed.set()
 
     async def _watch_exchanges(self) -> None:

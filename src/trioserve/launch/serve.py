@@ -18,13 +18,13 @@ import gc
 import logging
 import socket
 import sys
+import time
+from typing import TYPE_CHECKING
 
 import trio
 import zmq
 
 from trioserve.config import ServeConfig, override
-from trioserve.frontend.api_server import ApiServer, EngineAddresses
-from trioserve.frontend.text.tokenizer import Tokenizer, load_tokenizer
 from trioserve.launch.addresses import AddressLayout
 from trioserve.launch.children import ChildCommand, child_command
 from trioserve.launch.engine_supervisor import EngineFailed, EngineStartupError, EngineSupervisor
@@ -38,7 +38,13 @@ from trioserve.runtime.process import (
     until_first,
     watch_signals,
 )
+from trioserve.runtime.reaper import TERM_GRACE, reap
 from trioserve.transport.security import configure_security, serve_zap
+
+if TYPE_CHECKING:  # the API server's modules (transformers' tokenizer, torch under it) load after the
+    # engine process is started: see ``serve``
+    from trioserve.frontend.api_server import ApiServer, EngineAddresses
+    from trioserve.frontend.text.tokenizer import Tokenizer
 
 log = logging.getLogger("trioserve")
 
@@ -80,6 +86,8 @@ def api_server(
     """An API server, given its sections of ``config``; under a supervisor, its place in the tree
     (``launch/api_server_main.py``; ``incarnation`` > 0: it replaces one that died; ``desired``: the
     replicas wanted at its start, 0: ``-dp``, as roster ``roster_epoch`` said)."""
+    from trioserve.frontend.api_server import ApiServer
+
     count = config.api_server_count
     balance = None
     if connection_loads:
@@ -123,22 +131,52 @@ async def until_stop(stop: trio.Event, supervisor: EngineSupervisor | None) -> N
         await until_first(stop.wait, supervisor.failed.wait)
 
 
+def _load_frontend(config: ServeConfig) -> Tokenizer:
+    """The API server's modules and its tokenizer (seconds: transformers, and torch under it); run
+    in a thread while the engine process starts."""
+    from trioserve.frontend import api_server as _  # noqa: F401  (imported here, not on the loop)
+    from trioserve.frontend.text.tokenizer import load_tokenizer
+
+    return load_tokenizer(config.model.tokenizer or config.model.model)
+
+
 async def serve(config: ServeConfig, listener: socket.socket, ipc_dir: str) -> None:
-    tokenizer = await trio.to_thread.run_sync(load_tokenizer, config.model.tokenizer or config.model.model)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     layout = AddressLayout.of(config.engine.handshake_address, ipc_dir)
-    handshake, own = layout.handshake, layout.client(0)
-    addresses = EngineAddresses(handshake=handshake, input=own.input_address, output=own.output_address)
-    api = api_server(config, tokenizer, ctx, addresses)
+    handshake = layout.handshake
+    # Start-up is the longer of two paths, not their sum: the engine process starts first (its worker
+    # imports torch and loads the model) while this one imports the API server and loads the
+    # tokenizer. The engine's sockets connect before ours bind; ZMQ retries until they do.
+    early: trio.Process | None = None
+    command = engine_command(config, handshake)
+    if config.engine.kind != "external":
+        early = await command.spawn()
+    try:
+        began = time.perf_counter()
+        tokenizer = await trio.to_thread.run_sync(_load_frontend, config)
+        log.info("API server modules and tokenizer loaded in %.1f s", time.perf_counter() - began)
+        from trioserve.frontend.api_server import EngineAddresses
+
+        own = layout.client(0)
+        addresses = EngineAddresses(handshake, own.input_address, own.output_address)
+        api = api_server(config, tokenizer, ctx, addresses)
+    except BaseException:
+        if early is not None:
+            await reap(early, grace=0.0, term_grace=TERM_GRACE)
+        ctx.destroy(linger=0)
+        raise
     # Everything built so far (tokenizer tables, modules) lives for the whole process: move it out of
     # the collector's generations so full collections stop re-walking it (vLLM does the same).
     gc.collect()
     gc.freeze()
     supervisor: EngineSupervisor | None = None
-    if config.engine.kind != "external":  # an external engine is its operator's to restart
-        command = engine_command(config, handshake)
+    if early is not None:  # an external engine is its operator's to restart
 
         async def spawn() -> trio.Process:
+            nonlocal early
+            if early is not None:  # the first one, started above
+                proc, early = early, None
+                return proc
             return await command.spawn()
 
         def dead(reason: str, retry_after: int) -> None:

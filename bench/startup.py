@@ -1,0 +1,109 @@
+"""Start-up time (issue 18, item 5): from ``python -m trioserve serve`` to the first 200 on ``/health``.
+
+For each of ``--runs`` runs, per engine (``model``: the embedded SmolLM2-135M, already converted;
+``mock``: no model, the API server's own path), start ``serve`` on a free port, poll ``/health``
+every 20 ms, and read when each phase ended from the server's log (its timestamps, against the
+wall clock at spawn): the API server's modules and tokenizer, the worker's model load, the engine's
+Ready, the API server's "ready". Then stop it by PID.
+
+    .venv/bin/python bench/startup.py [--runs 3] [--engines model,mock]
+
+The embedded model is converted first if it is not cached (its first run's conversion is not
+counted). Prints the load average before and after: rerun when the machine is not quiet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import os
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from frontend_cost import Proc, free_port, http_get, managed, spawn
+from scale_out import loadavg
+
+PHASES = {  # column -> the log line that ends it
+    "API modules + tokenizer": r"API server modules and tokenizer loaded",
+    "worker model loaded": r"trioserve\.worker\] loaded ",
+    "engine ready": r"engine core 0 ready",
+    "API ready": r"trioserve ready on",
+}
+_STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
+
+
+def phase_times(log: str, spawned: float) -> dict[str, float]:
+    """Seconds from ``spawned`` (wall clock) to the first log line of each phase."""
+    out: dict[str, float] = {}
+    for line in log.splitlines():
+        m = _STAMP.match(line)
+        if m is None:
+            continue
+        at = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        for name, pattern in PHASES.items():
+            if name not in out and re.search(pattern, line):
+                out[name] = at - spawned
+    return out
+
+
+def one_start(engine: str, logs: Path, run: int) -> tuple[float, dict[str, float]]:
+    port = free_port()
+    argv = [sys.executable, "-m", "trioserve", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    if engine == "mock":
+        argv += ["--engine", "mock"]
+    with managed([]) as procs:
+        spawned = time.time()
+        began = time.perf_counter()
+        server: Proc = spawn(f"{engine}-{run}", argv, None, logs)
+        procs.append(server)
+        while True:
+            if not server.alive():
+                raise RuntimeError(f"serve exited during start-up:\n{server.log_tail()}")
+            with contextlib.suppress(OSError):
+                if http_get(f"http://127.0.0.1:{port}/health", timeout=1.0)[0] == 200:
+                    break
+            if time.perf_counter() - began > 300:
+                raise RuntimeError(f"not healthy after 300 s:\n{server.log_tail()}")
+            time.sleep(0.02)
+        took = time.perf_counter() - began
+        log = (logs / f"{engine}-{run}.log").read_text(errors="replace")
+    return took, phase_times(log, spawned)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--engines", default="model,mock")
+    args = p.parse_args(argv)
+    engines = args.engines.split(",")
+    if "model" in engines:
+        from trioserve.models.embedded_model import ensure_default_model
+
+        ensure_default_model()  # a first run converts it; not counted
+    print(f"load average before: {loadavg()}  (cores: {os.cpu_count()})", flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-startup-") as tmp:
+        for run in range(args.runs):
+            for engine in engines:
+                took, phases = one_start(engine, Path(tmp), run)
+                rows.append((engine, run, took, phases))
+                print(f"  {engine} run {run}: {took:.2f} s", flush=True)
+    names = list(PHASES)
+    print("\n| engine | run | to /health 200, s | " + " | ".join(f"{n}, s" for n in names) + " |")
+    print("|---|---|---|" + "---|" * len(names))
+    for engine, run, took, phases in rows:
+        cells = " | ".join(f"{phases[n]:.2f}" if n in phases else "-" for n in names)
+        print(f"| {engine} | {run} | {took:.2f} | {cells} |")
+    for engine in engines:
+        times = sorted(t for e, _, t, _ in rows if e == engine)
+        print(f"{engine}: median {times[len(times) // 2]:.2f} s, min {times[0]:.2f} s over {len(times)} runs")
+    print(f"\nload average after: {loadavg()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
