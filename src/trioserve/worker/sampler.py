@@ -50,6 +50,32 @@ import torch
 from trioserve.protocol.messages import SamplingParams, TokenLogprobs
 
 GREEDY_BELOW = 1e-5  # temperatures under this are greedy (vLLM's epsilon)
+ARGMAX_CHUNK = 1024  # row_argmax's block: its maxima are a vectorised reduction, the rest is small
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of a 2-D tensor, exactly (the first maximal index of each row; NaN ranks
+    highest, as there), faster on the CPU: torch's CPU argmax is a scalar loop (4.1 ms for 32 rows of
+    49,152 here) while ``amax`` is vectorised. So: the maximum of each block of ``ARGMAX_CHUNK`` (a
+    view, no copy), the first block holding the row's maximum (an argmax over 48 values), and the
+    first maximal index inside that block (an argmax over 1,024): 0.48 ms. The first block with the
+    maximum holds its first occurrence, so ties break as ``argmax``'s do. Elsewhere (CUDA, narrow
+    rows) it is ``argmax`` itself."""
+    n = x.shape[-1]
+    if x.device.type != "cpu" or n < 4 * ARGMAX_CHUNK:
+        return x.argmax(dim=-1)
+    chunk = ARGMAX_CHUNK
+    maxima = torch.amax(x.unfold(1, chunk, chunk), dim=-1)  # [rows, n // chunk]
+    whole = maxima.shape[1] * chunk
+    if whole < n:  # the tail, shorter than a block
+        maxima = torch.cat([maxima, torch.amax(x[:, whole:], dim=-1, keepdim=True)], dim=1)
+    start = maxima.argmax(dim=-1) * chunk
+    # The block's indices; the tail's are clamped to the last column (a repeat, later than the
+    # original: never the first occurrence).
+    index = (start[:, None] + torch.arange(chunk, device=x.device)).clamp_(max=n - 1)
+    return start + x.gather(1, index).argmax(dim=-1)
+
+
 _MASK64 = (1 << 63) - 1
 _NEG_INF = float("-inf")
 
@@ -350,7 +376,7 @@ class Sampler:
     def _draw(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
         """Stages 4-7 on processed logits: one token id per row."""
         if all(row.greedy for row in rows):
-            return logits.argmax(dim=-1).tolist()
+            return row_argmax(logits).tolist()
         scaled = self.warp(logits, rows)
         probs = torch.softmax(scaled, dim=-1)
         greedy = [i for i, row in enumerate(rows) if row.greedy]
@@ -372,9 +398,9 @@ class Sampler:
                 noise[others] = torch.empty(len(others), probs.shape[-1], device=probs.device).exponential_()
             if greedy:
                 noise[greedy] = 1.0
-        tokens = (probs / noise).argmax(dim=-1)
+        tokens = row_argmax(probs / noise)
         if greedy:
-            tokens[greedy] = logits[greedy].argmax(dim=-1)
+            tokens[greedy] = row_argmax(logits[greedy])
         return tokens.tolist()
 
     def process(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
