@@ -25,11 +25,14 @@ this point is neither). A row's sampled token gets its logprob, its
 rank (1 + how many tokens are strictly more likely) and the ``logprobs`` most likely tokens
 (``torch.topk``), computed for all the asking rows at once; a step where no row asks does none of it.
 
-Every row is drawn with the exponential race: ``argmax(p / q)`` with ``q ~ Exp(1)`` picks token ``i``
-with probability ``p_i``, so a row needs exactly one draw of noise per vocabulary entry, and a seeded row
-draws it from its own generator. That generator is re-seeded from ``(seed, output index)`` for every
-token, so a seeded request gives the same tokens whatever else is in the batch and even after a
-preemption recomputes it (the output index is a position, not a count of calls). Stages 1-6 are
+Every row is drawn by inverting its distribution's cumulative sum: with ``u`` uniform in
+``[0, total)``, the first token whose cumulative probability exceeds ``u`` is token ``i`` with
+probability ``p_i``, and never a token of probability 0 (the sum does not rise there). A row needs one
+uniform draw, where the exponential race vLLM runs on GPUs (``argmax(p / q)``, ``q ~ Exp(1)``) needs one
+per vocabulary entry: torch's CPU ``exponential_`` took 45 ms for 32 rows of 49,152 here, the cumulative
+sum 2 ms. A seeded row draws its uniform from its own generator, re-seeded from ``(seed, output
+index)`` for every token, so a seeded request gives the same tokens whatever else is in the batch and
+even after a preemption recomputes it (the output index is a position, not a count of calls). Stages 1-6 are
 functions of the row's own logits and history only, so the seed stays reproducible with them on.
 
 State: the penalties read per-request token histories kept in one pool on the device
@@ -378,27 +381,20 @@ class Sampler:
         if all(row.greedy for row in rows):
             return row_argmax(logits).tolist()
         scaled = self.warp(logits, rows)
-        probs = torch.softmax(scaled, dim=-1)
+        cdf = torch.softmax(scaled, dim=-1).cumsum_(dim=-1)
         greedy = [i for i, row in enumerate(rows) if row.greedy]
-        # One draw of noise per vocabulary entry of each sampled row: seeded rows from their own
-        # generator, the others from the global one (all at once when no row is seeded).
-        seeded = [
-            (i, r.seed, r.output_index) for i, r in enumerate(rows) if r.seed is not None and not r.greedy
-        ]
-        noise = torch.empty_like(probs)
-        if not seeded:
-            noise.exponential_()
-        else:
-            for i, seed, output_index in seeded:
-                self._generator.manual_seed(seed_for(seed, output_index))
-                noise[i].exponential_(generator=self._generator)
-            skip = {i for i, _, _ in seeded} | set(greedy)  # greedy rows take the argmax below
-            others = [i for i in range(len(rows)) if i not in skip]
-            if others:
-                noise[others] = torch.empty(len(others), probs.shape[-1], device=probs.device).exponential_()
-            if greedy:
-                noise[greedy] = 1.0
-        tokens = row_argmax(probs / noise)
+        # One uniform draw per row: seeded rows' from their own generator, the others' from the
+        # global one (greedy rows draw too, and take the argmax below).
+        u = torch.rand(len(rows), 1, device=cdf.device)
+        for i, r in enumerate(rows):
+            if r.seed is not None and not r.greedy:
+                self._generator.manual_seed(seed_for(r.seed, r.output_index))
+                u[i] = torch.rand(1, generator=self._generator, device=cdf.device)
+        total = cdf[:, -1:]
+        # u * total < total (a rounding up to it would pick past the last token of mass): the first
+        # index whose sum exceeds it has p > 0.
+        target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+        tokens = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=cdf.shape[-1] - 1)
         if greedy:
             tokens[greedy] = row_argmax(logits[greedy])
         return tokens.tolist()
