@@ -20,8 +20,6 @@ starts is stopped by PID.
 from __future__ import annotations
 
 import argparse
-import http.client
-import json
 import os
 import signal
 import sys
@@ -32,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from frontend_cost import Proc, free_port, managed, spawn, wait_healthy
+from replicas import request
 from scale_out import loadavg
 
 
@@ -48,39 +47,14 @@ class Run:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-def stream(port: int, max_tokens: int) -> tuple[bool, float]:
-    """(whether it ended whole, TTFT in seconds) of one streamed completion."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    body = {"model": "trioserve-mock", "prompt": "hi", "max_tokens": max_tokens, "stream": True}
-    start = time.perf_counter()
-    first = 0.0
-    try:
-        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-        response = conn.getresponse()
-        if response.status != 200:
-            response.read()
-            return False, 0.0
-        finished = False
-        for raw in response:
-            line = raw.strip()
-            if line.startswith(b"data: {"):
-                if b'"error"' in line:
-                    return False, 0.0
-                first = first or time.perf_counter()
-                finished = finished or b'"finish_reason":"length"' in line
-        return finished, first - start
-    except OSError:
-        return False, 0.0
-    finally:
-        conn.close()
-
-
 def clients(port: int, n: int, max_tokens: int, until: float, run: Run) -> list[threading.Thread]:
+    body = {"model": "trioserve-mock", "prompt": "hi", "max_tokens": max_tokens, "stream": True}
+
     def client() -> None:
         while time.perf_counter() < until:
-            ok, ttft = stream(port, max_tokens)
+            status, ttft = request(port, body)  # 200: the stream ended without an error event
             with run.lock:
-                run.done.append(Finished(time.perf_counter(), ttft, ok))
+                run.done.append(Finished(time.perf_counter(), ttft, status == 200))
 
     threads = [threading.Thread(target=client, daemon=True) for _ in range(n)]
     for t in threads:
