@@ -559,6 +559,8 @@ def _check_resizing(config: ServeConfig, values: dict[str, Any]) -> None:
     tree starts, all of them on this host, and a config file to read again."""
     engine = config.engine
     if engine.max_data_parallel_size is None:
+        if "drain_timeout" in values:  # only a resize retires replicas: it would do nothing
+            raise ValueError("argument --drain-timeout: only with --max-data-parallel-size (a resize)")
         return
     flag = "argument --max-data-parallel-size"
     if engine.max_data_parallel_size < engine.data_parallel_size:

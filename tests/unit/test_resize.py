@@ -80,6 +80,7 @@ def test_max_data_parallel_size_sizes_the_tree(tmp_path: Path) -> None:
         (("-dp", "2", "--max-data-parallel-size", "1"), "1 is below -dp 2"),
         (("--max-data-parallel-size", "2"), "give --config"),
         (("--max-data-parallel-size", "2", "--data-parallel-size-local", "1"), "not with remote ones"),
+        (("--drain-timeout", "5"), "only with --max-data-parallel-size"),
     ],
 )
 def test_max_data_parallel_size_is_refused_where_a_resize_cannot_act(
