@@ -99,6 +99,7 @@ class _Group:
 
 API_KEY_ENV = "TRIOSERVE_API_KEY"  # the API key when --api-key is absent (read once, in ``main``)
 THREADS_ENV = "TRIOSERVE_CPU_THREADS"  # --worker-threads when that flag is absent
+ADAPTIVE_THREADS_ENV = "TRIOSERVE_CPU_ADAPTIVE_THREADS"  # --cpu-adaptive-threads when absent
 # Outlier ejection's settings (seed 002): with one replica none has an effect.
 _EJECTION_SETTINGS = ("consecutive_timeouts", "base_ejection_ms", "max_ejection_ms", "max_ejection_percent")
 
@@ -420,6 +421,15 @@ def _engine_flags(p: argparse.ArgumentParser, *, serve: bool) -> None:
         type=int,
     )
     g.add(
+        "--cpu-adaptive-threads",
+        "cpu_adaptive_threads",
+        "model, CPU: 0 off; 1 learn each input size's fastest thread count from bit-exact shadow "
+        "passes and log it; 2 also serve it once verified (docs/threads.md); "
+        f"{ADAPTIVE_THREADS_ENV} gives it when the flag is absent",
+        type=int,
+        metavar="{0,1,2}",
+    )
+    g.add(
         "--tensor-parallel-size",
         "tensor_parallel_size",
         "model: workers per engine core, the weights sharded across them (torch.distributed: gloo on "
@@ -496,7 +506,7 @@ def _settings(ns: argparse.Namespace) -> dict[str, Any]:
 
 def _from_env(values: dict[str, Any], environ: Mapping[str, str] | None) -> None:
     """The settings the environment gives when their flags are absent: the engine secret (kept out of
-    ``ps``) and the CPU threads per worker."""
+    ``ps``), the CPU threads per worker and whether they learn their count."""
     environ = environ or {}
     secret = environ.get(SECRET_ENV)
     if secret and "engine_secret" not in values:
@@ -506,6 +516,11 @@ def _from_env(values: dict[str, Any], environ: Mapping[str, str] | None) -> None
         if not threads.isdigit() or int(threads) < 1:
             raise ValueError(f"{THREADS_ENV}={threads!r}: expected a positive number of threads")
         values["worker_threads"] = int(threads)
+    adaptive = environ.get(ADAPTIVE_THREADS_ENV, "").strip()
+    if adaptive and "cpu_adaptive_threads" not in values:
+        if adaptive not in ("0", "1", "2"):
+            raise ValueError(f"{ADAPTIVE_THREADS_ENV}={adaptive!r}: expected 0, 1 or 2")
+        values["cpu_adaptive_threads"] = int(adaptive)
 
 
 def serve_config(ns: argparse.Namespace, environ: Mapping[str, str] | None = None) -> ServeConfig:

@@ -262,6 +262,9 @@ class WorkerConfig(_Section, frozen=True):
     worker_threads: NonNegative = 0  # torch CPU threads per worker, capped by its budget; 0: half of it
     tensor_parallel_size: Positive = 1  # workers per engine core, each holding a shard of the weights
     worker_step_timeout: PositiveFloat = 300.0  # a step's hard limit; also how long an engine may be silent
+    # CPU workers: 0 off; 1 learn the thread count from shadow passes and log it; 2 also serve it
+    # (worker/thread_learner.py, docs/threads.md).
+    cpu_adaptive_threads: Literal[0, 1, 2] = 0
 
 
 class MockConfig(_Section, frozen=True):

@@ -78,6 +78,7 @@ PURE = [
     "trioserve.frontend.replica_health",
     "trioserve.frontend.replica_pool",
     "trioserve.frontend.replica_slots",
+    "trioserve.worker.thread_learner",
 ]
 
 

@@ -18,6 +18,14 @@ them in lockstep. Only rank 0 has the result ring: it says ready once every rank
 group's barrier) with the KV blocks all ranks agreed on, and answers each step. A rank > 0 that fails
 has no one to tell but its log: it exits 1, the engine core sees the exit, and its peers see their
 next all-reduce fail (gloo: the connection closes), so one rank's death ends the engine's step.
+
+Thread learning (``WorkerConfig.cpu_adaptive_threads`` 1 or 2, docs/threads.md): a CPU worker without
+tensor parallelism runs the golden check after loading and before ``WorkerReady``, then serves each
+step through ``worker/shadow.py`` (answer first, then at most one shadow pass per K steps; K is
+``TRIOSERVE_CPU_SHADOW_EVERY``, default 10). A CUDA worker does not learn (its count is not an
+intra-op CPU thread count), nor does a tensor-parallel rank (every rank must run every step at the same
+count: a rank has no served answer of its own to compare, only its shard's part); each says so in the
+log.
 """
 
 from __future__ import annotations
@@ -52,9 +60,13 @@ from trioserve.runtime.placement import (
 from trioserve.runtime.process import set_title, setup_logging
 from trioserve.transport.shm_ring import ReaderDied, RingReader, RingWriter, WriterClosed, WriterDied
 from trioserve.worker.model_runner import ModelRunner, RunnerConfig, TensorParallel
+from trioserve.worker.shadow import ThreadTuner
 from trioserve.worker.tensor_parallel import leave_group
+from trioserve.worker.thread_learner import SHADOW_EVERY, LearnerRules, ThreadLearner
 
 log = logging.getLogger("trioserve.worker")
+
+SHADOW_EVERY_ENV = "TRIOSERVE_CPU_SHADOW_EVERY"  # K: served steps per shadow pass (thread learning)
 
 
 def run_worker(launch: WorkerLaunch | str) -> int:
@@ -91,10 +103,13 @@ def _serve(launch: WorkerLaunch, steps: RingReader, answer: Callable[[msgspec.St
     """Load the model, say so, then run steps until told to stop (the return value: the exit code)."""
     try:
         runner = _load(launch)
+        tuner = thread_tuner(launch, runner)
     except Exception as exc:
         log.exception("worker %d could not load %s", launch.rank, launch.model)
         answer(WorkerFailed(launch.rank, f"loading {launch.model} failed: {exc!r}"))
         return 1
+    if tuner is not None:
+        tuner.golden()
     answer(WorkerReady(launch.rank, os.getpid(), runner.load_seconds, str(runner.device), runner.num_blocks))
     codec = worker_input_codec()
     while True:
@@ -108,12 +123,60 @@ def _serve(launch: WorkerLaunch, steps: RingReader, answer: Callable[[msgspec.St
                 return 0
             case WorkerStep(step=step):
                 try:
-                    result = runner.run(step)
+                    if tuner is None:
+                        result = runner.run(step)
+                    else:  # it answers before its shadow pass
+                        tuner.serve(step, answer)
+                        continue
+                except ReaderDied:  # answering: not the step's failure (run_worker's exit)
+                    raise
                 except Exception as exc:
                     log.exception("worker %d failed in step %d", launch.rank, step.step)
                     answer(WorkerFailed(launch.rank, f"step {step.step} failed: {exc!r}"))
                     return 1
                 answer(result)
+
+
+def shadow_every(environ: dict[str, str] | None = None) -> int:
+    """K, the served steps per shadow pass: ``TRIOSERVE_CPU_SHADOW_EVERY`` (a positive integer),
+    else the learner's default."""
+    raw = (os.environ if environ is None else environ).get(SHADOW_EVERY_ENV, "").strip()
+    if not raw:
+        return SHADOW_EVERY
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{SHADOW_EVERY_ENV}={raw!r}: expected a positive number of steps")
+    return int(raw)
+
+
+def thread_tuner(launch: WorkerLaunch, runner: ModelRunner) -> ThreadTuner | None:
+    """This worker's thread learning, or None when it is off (mode 0) or cannot apply (logged)."""
+    mode = launch.worker.cpu_adaptive_threads
+    if mode == 0:
+        return None
+    if runner.device.type != "cpu":
+        log.info(
+            "worker %d: adaptive threads off: only CPU workers learn (this one is on %s)",
+            launch.rank,
+            runner.device,
+        )
+        return None
+    if launch.tensor_parallel_size > 1:
+        log.info(
+            "worker %d: adaptive threads off with tensor parallelism: every rank must run each step at "
+            "the same count, and a rank holds no whole answer to verify a count against",
+            launch.rank,
+        )
+        return None
+    rules = LearnerRules(mode, runner.num_threads, shadow_every=shadow_every())
+    log.info(
+        "worker %d: adaptive threads mode %d: counts %s, one shadow pass per %d served steps (%s backend)",
+        launch.rank,
+        mode,
+        "/".join(map(str, rules.allowed)),
+        rules.shadow_every,
+        runner.threads.backend,
+    )
+    return ThreadTuner(runner, ThreadLearner(rules), launch.rank)
 
 
 def cpu_threads(configured: int, rank: int) -> int:

@@ -36,12 +36,25 @@ steps with its shard of the weights (``worker/tensor_parallel.py``) and a KV cac
 key/value heads, so block tables and layouts are identical on every rank. Only the output rank
 (rank 0) runs the LM head, keeps sampler state and samples, from logits that are complete there (the
 hidden states are replicated after every all-reduce, the LM head is not sharded).
+
+Thread counts (docs/threads.md): every forward states its intra-op thread count on ``self.threads``
+(``worker/thread_context.py``) first: ``run(step, threads=n)`` serves at ``n`` (default: the
+configured ``num_threads``). For the thread learner (``worker/shadow.py``), ``run(...,
+keep_logits=True)`` keeps the step's forward inputs and its logits' bytes (copied before the sampler
+touches them) in ``last``, and ``reforward(count)`` runs that forward again at ``count`` threads and
+returns its time and logits' bytes. A re-run changes nothing a client gets: it samples nothing (no
+RNG draws, no sampler state), records no history, and the KV slots it writes (the step's slot mapping)
+are saved before and restored after, so the paged cache holds the served pass's keys and values
+whatever the re-run computed. ``golden(count)`` is a fixed prompt's forward (a prefill, then a decode
+reading it back) in the first blocks, with those slots restored the same way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +69,7 @@ from trioserve.protocol.worker_messages import StepResult
 from trioserve.worker.paged_attention import ATTN_IMPLEMENTATION, BatchLayout, PagedKVCache, PrefillSpan
 from trioserve.worker.sampler import RequestProcessors, Sampler, SamplingRow, token_logprobs
 from trioserve.worker.tensor_parallel import all_reduce_min, init_group, shard_model
+from trioserve.worker.thread_context import ThreadContext
 
 log = logging.getLogger("trioserve.worker")
 
@@ -94,6 +108,25 @@ class _Sequence:
     pending_prompt_row: torch.Tensor | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class ForwardRecord:
+    """A served step's forward, kept for a re-run (``ModelRunner.reforward``)."""
+
+    tokens: int  # the step's tokens (the rows the forward computes)
+    count: int  # the thread count it was served at
+    seconds: float  # the served forward's wall time (the model call alone)
+    logits: bytes  # the served logits' bytes (the LM-head rows), before sampling
+    ids: torch.Tensor
+    positions: torch.Tensor
+    keep: torch.Tensor
+    layout: BatchLayout
+
+
+def logits_bytes(logits: torch.Tensor) -> bytes:
+    """A logits tensor's bytes, whatever its dtype (bit-exact comparison: no NaN or -0.0 rules)."""
+    return logits.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+
+
 @dataclass(slots=True)
 class _Scheduled:
     request_id: str
@@ -116,8 +149,14 @@ class ModelRunner:
         *,
         kv_heads: int | None = None,
         output_rank: bool = True,
+        num_threads: int = 0,
     ) -> None:
         self.model = model
+        self.num_threads = num_threads  # the configured intra-op count; 0: torch's default, untouched
+        self.threads = ThreadContext()
+        self.last: ForwardRecord | None = None  # the latest step's forward, when asked to keep it
+        self.last_seconds: float | None = None  # the latest forward's wall time (None: no forward)
+        self.last_rows = 0  # the LM-head rows the latest forward kept (0: no logits on this rank)
         self.device: torch.device = model.device
         geometry = KVGeometry.from_mapping(model.config.to_dict())
         self.block_size = block_size
@@ -145,8 +184,8 @@ class ModelRunner:
         """Load the model; with ``tensor_parallel``, join the group first, then keep this rank's shard
         and agree on the smallest KV pool any rank holds (the ledger's blocks are the same ids on
         every rank)."""
-        if config.num_threads > 0:
-            torch.set_num_threads(config.num_threads)
+        if config.num_threads > 0:  # loading runs parallel regions too; forwards state their own count
+            ThreadContext().use(config.num_threads)
         started = time.perf_counter()
         tp = config.tensor_parallel
         device = torch.device(config.device)
@@ -167,7 +206,12 @@ class ModelRunner:
                 f"key/value heads {_span(held.kv_heads)}, MLP columns {_span(held.mlp_columns)}"
             )
         runner = cls(
-            model, num_blocks, config.block_size, kv_heads=kv_heads, output_rank=tp is None or tp.rank == 0
+            model,
+            num_blocks,
+            config.block_size,
+            kv_heads=kv_heads,
+            output_rank=tp is None or tp.rank == 0,
+            num_threads=config.num_threads,
         )
         runner.load_seconds = time.perf_counter() - started
         log.info(
@@ -188,7 +232,12 @@ class ModelRunner:
         """The sampled token ids of the step (``run`` without the logprobs)."""
         return self.run(step).sampled
 
-    def run(self, step: SchedulerOutput) -> StepResult:
+    def run(
+        self, step: SchedulerOutput, *, threads: int | None = None, keep_logits: bool = False
+    ) -> StepResult:
+        """Serve ``step`` at ``threads`` intra-op threads (None: the configured count); with
+        ``keep_logits``, keep its forward in ``last`` when it computed logits (else ``last`` is None)."""
+        self.last, self.last_seconds, self.last_rows = None, None, 0
         for rid in (*step.finished_request_ids, *step.preempted_request_ids):
             gone = self.sequences.pop(rid, None)
             if gone is not None and gone.processors is not None:
@@ -220,9 +269,93 @@ class ModelRunner:
             )
         if not scheduled:
             return StepResult(step.step, {})
+        count = self.num_threads if threads is None else threads
         with torch.inference_mode():
             self._record_history(scheduled)
-            return self._forward(step.step, scheduled)
+            return self._forward(step.step, scheduled, count, keep_logits)
+
+    @staticmethod
+    def step_tokens(step: SchedulerOutput) -> int:
+        """The tokens ``step``'s forward computes (prefill chunks and decodes together)."""
+        return sum(len(r.token_ids) for r in step.new_requests) + sum(
+            len(r.token_ids) for r in step.running_requests
+        )
+
+    def reforward(self, count: int) -> tuple[float, bytes]:
+        """Run the kept forward (``last``) again at ``count`` threads: (its wall time, its logits'
+        bytes). The paged cache's slots it writes are restored afterwards, even if it raises."""
+        record = self.last
+        if record is None:
+            raise RuntimeError("no forward kept to run again")
+        with torch.inference_mode(), self._slots_restored(record.layout):
+            seconds, logits = self._timed_model(
+                record.ids, record.positions, record.keep, record.layout, count
+            )
+            return seconds, logits_bytes(logits)
+
+    def golden(self, count: int, length: int = 12) -> bytes:
+        """A fixed prompt's logits at ``count`` threads: a ``length``-token prefill at position 0 in
+        the first blocks, then a one-token decode that reads its keys and values back; every row's
+        logits, as bytes. The slots it writes are restored afterwards (the pool is not touched)."""
+        bs = self.block_size
+        length = max(1, min(length, self.num_blocks * bs - 1))
+        dev = self.device
+        prompt = [(7 + 31 * i) % self.vocab_size for i in range(length + 1)]
+        table = list(range(-(-(length + 1) // bs)))
+        out: list[bytes] = []
+        with torch.inference_mode():
+            whole = self._layout([(table, 0, length + 1)], list(range(length + 1)))
+            with self._slots_restored(whole):
+                for ids, start in ((prompt[:length], 0), (prompt[length:], length)):
+                    positions = list(range(start, start + len(ids)))
+                    layout = self._layout([(table, start, len(ids))], positions)
+                    keep = (
+                        torch.arange(len(ids), device=dev)
+                        if self.output_rank
+                        else torch.zeros(0, dtype=torch.long)
+                    )
+                    _, logits = self._timed_model(
+                        torch.tensor([ids], device=dev),
+                        torch.tensor([positions], device=dev),
+                        keep,
+                        layout,
+                        count,
+                    )
+                    out.append(logits_bytes(logits))
+        return b"".join(out)
+
+    @contextlib.contextmanager
+    def _slots_restored(self, layout: BatchLayout) -> Iterator[None]:
+        """Save the K/V slots ``layout`` writes, in every layer, and put them back on the way out."""
+        blocks, offsets = layout.write_blocks, layout.write_offsets
+        saved = [
+            (k[blocks, :, offsets], v[blocks, :, offsets])
+            for k, v in zip(self.cache.keys, self.cache.values, strict=True)
+        ]
+        try:
+            yield
+        finally:
+            for (k, v), (sk, sv) in zip(
+                zip(self.cache.keys, self.cache.values, strict=True), saved, strict=True
+            ):
+                k[blocks, :, offsets] = sk
+                v[blocks, :, offsets] = sv
+
+    def _timed_model(
+        self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, layout: BatchLayout, count: int
+    ) -> tuple[float, torch.Tensor]:
+        """One model call at ``count`` threads: (its wall time, the kept rows' logits ``[rows, vocab]``)."""
+        self.threads.use(count)
+        started = time.perf_counter()
+        out = self.model(
+            input_ids=ids,
+            position_ids=positions,
+            use_cache=False,
+            logits_to_keep=keep,
+            trioserve_layout=layout,
+            trioserve_cache=self.cache,
+        )
+        return time.perf_counter() - started, out.logits[0]
 
     def _record_history(self, scheduled: list[_Scheduled]) -> None:
         """Hands each history-keeping request's tokens of this step to the sampler, preceded by any it
@@ -245,7 +378,7 @@ class ModelRunner:
         if entries:
             self.sampler.record(entries)
 
-    def _forward(self, step: int, scheduled: list[_Scheduled]) -> StepResult:
+    def _forward(self, step: int, scheduled: list[_Scheduled], count: int, keep_logits: bool) -> StepResult:
         dev = self.device
         input_ids: list[int] = []
         positions: list[int] = []
@@ -271,21 +404,30 @@ class ModelRunner:
                 keep.append(row + n - 1)
                 sample_ids.append(item.request_id)
                 sampling.append(self._sampling_row(item))
-        layout = self._layout(scheduled, positions)
+        spans = [
+            (self.sequences[item.request_id].block_ids, item.start, len(item.token_ids)) for item in scheduled
+        ]
+        layout = self._layout(spans, positions)
         ids = torch.tensor([input_ids], device=dev)
         self.slot_tokens[layout.write_blocks * self.block_size + layout.write_offsets] = ids[0]
-        out = self.model(
-            input_ids=ids,
-            position_ids=torch.tensor([positions], device=dev),
-            use_cache=False,
-            # The other tensor-parallel ranks run no LM head: only the output rank samples.
-            logits_to_keep=torch.tensor(keep if self.output_rank else [], dtype=torch.long, device=dev),
-            trioserve_layout=layout,
-            trioserve_cache=self.cache,
-        )
+        position_ids = torch.tensor([positions], device=dev)
+        # The other tensor-parallel ranks run no LM head: only the output rank samples.
+        keep_rows = torch.tensor(keep if self.output_rank else [], dtype=torch.long, device=dev)
+        self.last_seconds, logits = self._timed_model(ids, position_ids, keep_rows, layout, count)
         if not keep or not self.output_rank:
             return StepResult(step, {})
-        logits = out.logits[0]
+        self.last_rows = len(keep)
+        if keep_logits:  # the bytes before the sampler and the prompt logprobs touch the tensor
+            self.last = ForwardRecord(
+                len(input_ids),
+                count,
+                self.last_seconds,
+                logits_bytes(logits),
+                ids,
+                position_ids,
+                keep_rows,
+                layout,
+            )
         prompt_logprobs = self._prompt_logprobs(logits, prompt_spans) if prompt_spans else None
         if not sample_at:
             return StepResult(step, {}, None, prompt_logprobs)
@@ -343,7 +485,9 @@ class ModelRunner:
             s.temperature, s.top_p, s.top_k, s.seed, output_index, banned, s.min_p, seq.processors, s.logprobs
         )
 
-    def _layout(self, scheduled: list[_Scheduled], positions: list[int]) -> BatchLayout:
+    def _layout(self, spans: list[tuple[list[int], int, int]], positions: list[int]) -> BatchLayout:
+        """The batch layout of ``spans`` (each: a block table, the first position, the tokens) laid
+        out one after another in the flat batch, at ``positions``."""
         dev = self.device
         bs = self.block_size
         write_blocks: list[int] = []
@@ -352,20 +496,18 @@ class ModelRunner:
         decode_lens: list[int] = []
         prefills: list[PrefillSpan] = []
         row = 0
-        for item in scheduled:
-            table = self.sequences[item.request_id].block_ids
-            n = len(item.token_ids)
+        for table, start, n in spans:
             write_blocks += [table[p // bs] for p in positions[row : row + n]]
-            context = item.start + n
+            context = start + n
             used = table[: -(-context // bs)]
             if n == 1:
                 decode_rows.append(row)
                 decode_tables.append(used)
                 decode_lens.append(context)
-            elif item.start == 0:
+            elif start == 0:
                 prefills.append(PrefillSpan(row, row + n, None, None))
             else:
-                query_pos = torch.arange(item.start, context, device=dev).unsqueeze(1)
+                query_pos = torch.arange(start, context, device=dev).unsqueeze(1)
                 mask = torch.arange(len(used) * bs, device=dev).unsqueeze(0) <= query_pos
                 prefills.append(PrefillSpan(row, row + n, torch.tensor([used], device=dev), mask))
             row += n
