@@ -39,6 +39,11 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+# Families with labels of their own (beyond ``model_name``): name -> (kind, help, [(labels, value)]),
+# ``labels`` already written out (``engine="0",worker="1"``). What they show comes from the engines,
+# so they merge like ``ENGINE_WIDE``: the lines of the view with the freshest engine stats.
+Labelled = Mapping[str, tuple[str, str, Sequence[tuple[str, float]]]]
+
 # Buckets (seconds) as vLLM uses them for the same metrics, so dashboards line up.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
@@ -133,6 +138,8 @@ class MetricsState(msgspec.Struct, kw_only=True):
     histograms: dict[str, HistState]
     process: dict[str, int | float]
     live: bool = True  # False once read back from a state file: gauges and process metrics stale
+    # Labelled engine-wide families (``Labelled``): name -> [(labels, value)], e.g. per worker.
+    labelled: dict[str, list[tuple[str, int | float]]] = {}
 
 
 # What the engines report and every API server hears alike: rendered once, never summed across API
@@ -270,10 +277,12 @@ class Metrics:
         gauges: Mapping[str, tuple[str, float]],
         counters: Mapping[str, tuple[str, float]],
         rejected: Mapping[str, int],
+        labelled: Labelled | None = None,
     ) -> str:
         """The text exposition format of this process alone (one API server: no ``api_server``
         label). ``gauges``/``counters``: name -> (help, value), read live."""
-        return self.render_states(gauges, counters, [self.state(gauges, counters, rejected)])
+        state = self.state(gauges, counters, rejected, labelled=labelled)
+        return self.render_states(gauges, counters, [state], labelled=labelled)
 
     def state(
         self,
@@ -283,6 +292,7 @@ class Metrics:
         *,
         index: int = 0,
         engine_age: float = math.inf,
+        labelled: Labelled | None = None,
     ) -> MetricsState:
         """This API server's metrics now, as another API server merges them (and as the state file
         keeps them): the live values plus ``base``, the predecessor's cumulative counts, for every
@@ -317,6 +327,10 @@ class Metrics:
             finished=finished,
             histograms=histograms,
             process={name: value for name, _, _, value in process_metrics(self.proc)},
+            labelled={
+                name: [(labels, _number(v)) for labels, v in lines]
+                for name, (_, _, lines) in (labelled or {}).items()
+            },
         )
 
     def restore(self, state: MetricsState) -> None:
@@ -335,6 +349,7 @@ class Metrics:
         counters: Mapping[str, tuple[str, float]],
         states: Sequence[MetricsState],
         peers_up: Mapping[int, bool] | None = None,
+        labelled: Labelled | None = None,
     ) -> str:
         """The text exposition format of ``states`` merged; ``states[0]`` is this API server's own.
         Names, help and order come from ``gauges``/``counters`` (this process's; values from the
@@ -351,8 +366,10 @@ class Metrics:
         - Other ``vllm:`` gauges: summed over the live states.
         - ``trioserve:`` and ``process_`` metrics: one line per API server, labelled
           ``api_server="<index>"`` (the saturated one is the one to see, not an average).
+        - ``labelled`` families (names, kinds and help from this process's; lines from the view with
+          the freshest engine stats, like ``ENGINE_WIDE``).
         """
-        labelled = peers_up is not None
+        per_server = peers_up is not None
         label = f'model_name="{self.model}"'
         live = [s for s in states if s.live] or list(states[:1])
         fresh = min(live, key=lambda s: s.engine_age)  # the first (own) view on a tie
@@ -365,7 +382,7 @@ class Metrics:
             out.append(f"# TYPE {name} {kind}")
 
         def server(s: MetricsState) -> str:
-            return f'{label},api_server="{s.index}"' if labelled else label
+            return f'{label},api_server="{s.index}"' if per_server else label
 
         for name, (help_text, _) in gauges.items():
             family(name, "gauge", help_text)
@@ -389,6 +406,11 @@ class Metrics:
                 out.extend(
                     f"{name}{{{server(s)}}} {s.counters[name]}" for s in by_index if name in s.counters
                 )
+        for name, (kind, help_text, _) in (labelled or {}).items():
+            family(name, kind, help_text)
+            out.extend(
+                f"{name}{{{label},{labels}}} {value}" for labels, value in fresh.labelled.get(name, ())
+            )
         family("trioserve:rejected_requests_total", "counter", "Requests refused at admission, by reason.")
         for s in by_index:
             for reason, n in sorted(s.rejected.items()):
@@ -423,7 +445,7 @@ class Metrics:
             if values:
                 family(name, kind, help_text)
             for s, value in values:
-                out.append(f'{name}{{api_server="{s.index}"}} {value}' if labelled else f"{name} {value}")
+                out.append(f'{name}{{api_server="{s.index}"}} {value}' if per_server else f"{name} {value}")
         if peers_up is not None:
             family(
                 "trioserve:metrics_peers_missing",

@@ -9,6 +9,7 @@ process and no shared-memory segment.
 from __future__ import annotations
 
 import os
+import re
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,7 +23,16 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from trioserve.frontend.text.tokenizer import Tokenizer, load_tokenizer
 
-from ._support import RawHttp, post, proc_children, proc_title, request_json, sse_chunks, summarize
+from ._support import (
+    RawHttp,
+    http_request,
+    post,
+    proc_children,
+    proc_title,
+    request_json,
+    sse_chunks,
+    summarize,
+)
 from .conftest import ServerProcess
 
 TIMEOUT = 60
@@ -182,6 +192,64 @@ async def test_same_seed_same_text(model_server: ServerProcess) -> None:
         second = summarize(await stream(model_server, body)).token_ids[0]
     assert first == second
     assert len(first) == 10
+
+
+async def metrics_text(server: ServerProcess) -> str:
+    async with await RawHttp.connect(server.host, server.port) as conn:
+        await conn.send(http_request("GET", "/metrics", None, headers=[("Connection", "close")]))
+        response = await conn.read_response()
+    assert response.status == 200
+    return response.body.decode()
+
+
+def metric_value(text: str, name: str, labels: str) -> float:
+    found = re.findall(
+        re.escape(f'{name}{{model_name="') + r'[^"]*",' + re.escape(labels) + r"\} (\S+)", text
+    )
+    assert len(found) == 1, (name, labels, found)
+    return float(found[0])
+
+
+async def worker_threads(server: ServerProcess) -> dict[str, Any]:
+    status, inventory = await request_json(server.host, server.port, "GET", "/v1/replicas")
+    assert status == 200, inventory
+    (threads,) = inventory["data"][0]["threads"]  # one worker
+    assert isinstance(threads, dict)
+    return threads
+
+
+async def test_metrics_and_the_inventory_show_each_workers_threads(
+    model_server: ServerProcess, tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 15, item 5, through the whole tree: the module's server does not learn (mode 0); a second
+    one at 2 threads learns with a shadow pass per step, and shows what it learned after a request."""
+    with trio.fail_after(TIMEOUT):
+        off = await worker_threads(model_server)
+        text = await metrics_text(model_server)
+    assert off["state"] == "off" and off["mode"] == 0 and off["configured"] >= 1 and off["ranges"] == {}
+    who = 'engine="0",worker="0"'
+    assert metric_value(text, "trioserve:worker_threads", who) == off["configured"]
+    assert metric_value(text, "trioserve:worker_thread_learning", who + ',state="off"') == 1
+    assert metric_value(text, "trioserve:worker_thread_shadow_passes_total", who) == 0
+
+    monkeypatch.setenv("TRIOSERVE_CPU_SHADOW_EVERY", "1")  # the server's processes inherit it
+    flags = ("--worker-threads", "2", "--cpu-adaptive-threads", "1")
+    with running_model_server(tiny_model, tmp_path, "learning", *flags) as server:
+        with trio.fail_after(TIMEOUT):
+            body = {"prompt": "one two three", "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+            assert len(summarize(await stream(server, body)).token_ids[0]) == 16
+            await stream(server, {**body, "max_tokens": 1})  # carries the last shadow's outcome
+            learning = await worker_threads(server)
+            text = await metrics_text(server)
+    assert learning["mode"] == 1 and learning["configured"] == 2 and learning["candidates"] == [1, 2]
+    assert learning["state"] in ("learning", "retired"), learning
+    assert learning["shadow_passes"] > 1 and learning["shadow_thread_seconds"] > 0
+    decode = learning["ranges"]["1"]  # one request decoding: steps of one token
+    assert decode["steps"] >= 1 and sum(decode["verified"].values()) >= 1
+    assert metric_value(text, "trioserve:worker_threads", who) == 2
+    assert metric_value(text, "trioserve:worker_thread_learning", who + f',state="{learning["state"]}"') == 1
+    assert metric_value(text, "trioserve:worker_thread_shadow_passes_total", who) == learning["shadow_passes"]
+    assert metric_value(text, "trioserve:worker_threads_serving", who + ',range="1"') == 2
 
 
 async def test_a_worker_that_dies_fails_its_requests_and_cleanup_is_complete(

@@ -19,6 +19,7 @@ import threading
 from pathlib import Path
 from typing import Any, Literal
 
+import msgspec
 import pytest
 import torch
 import trio
@@ -29,6 +30,7 @@ from trioserve.engine.scheduler import Scheduler, SchedulerConfig
 from trioserve.engine.scheduler_core import SchedulerCore
 from trioserve.engine.worker_executor import WorkerExecutorConfig, open_worker_executor
 from trioserve.protocol.messages import AddRequest, SamplingParams
+from trioserve.protocol.thread_report import WorkerThreads, decode_worker_threads
 from trioserve.worker.model_runner import ModelRunner
 from trioserve.worker.shadow import ThreadTuner
 from trioserve.worker.thread_context import ThreadContext
@@ -60,8 +62,9 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def generate(model: Path, adaptive: Literal[0, 1, 2]) -> dict[str, list[int]]:
-    """Greedy outputs of ``PROMPTS`` from a real worker at 2 threads, learning in ``adaptive`` mode."""
+def generate(model: Path, adaptive: Literal[0, 1, 2]) -> tuple[dict[str, list[int]], list[WorkerThreads]]:
+    """Greedy outputs of ``PROMPTS`` from a real worker at 2 threads, learning in ``adaptive`` mode,
+    and the thread reports the engine core holds at the end (what its stats carry to API servers)."""
     worker = WorkerConfig(
         device="cpu", dtype="float32", kv_cache_gib=0.01, worker_threads=2, cpu_adaptive_threads=adaptive
     )
@@ -70,10 +73,13 @@ def generate(model: Path, adaptive: Literal[0, 1, 2]) -> dict[str, list[int]]:
         max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, num_blocks=64, block_size=4
     )
     tokens: dict[str, list[int]] = {rid: [] for rid in PROMPTS}
+    reports: list[WorkerThreads] = []
 
     async def main() -> None:
         async with open_worker_executor(executor_config) as executor:
-            core = SchedulerCore(scheduler, executor, vocab_size=VOCAB, kind="model")
+            core = SchedulerCore(
+                scheduler, executor, vocab_size=VOCAB, kind="model", threads=executor.ready.threads
+            )
             for rid, prompt in PROMPTS.items():
                 params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
                 core.add(AddRequest(rid, prompt, params, 0.0))
@@ -84,17 +90,23 @@ def generate(model: Path, adaptive: Literal[0, 1, 2]) -> dict[str, list[int]]:
                     for outs in core.update().values():
                         for o in outs:
                             tokens[o.request_id] += o.new_token_ids
+                # One more step carries the last shadow pass's outcome (it ran after its answer).
+                core.add(AddRequest("last", [1], SamplingParams(max_tokens=1), 0.0))
+                assert core.schedule() is not None
+                await core.execute()
+                core.update()
+                reports.extend(decode_worker_threads(core.stats().worker_threads))
 
     trio.run(main)
-    return tokens
+    return tokens, reports
 
 
 def test_a_real_worker_learns_or_retires_and_changes_no_answer(
     tiny_model: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("TRIOSERVE_CPU_SHADOW_EVERY", "1")  # the worker process inherits it
-    plain = generate(tiny_model, 0)
-    learning = generate(tiny_model, 1)
+    plain, off = generate(tiny_model, 0)
+    learning, report = generate(tiny_model, 1)
     log = capfd.readouterr().err
     assert all(len(t) == MAX_TOKENS for t in plain.values())
     assert learning == plain  # the shadow passes changed nothing a client gets
@@ -104,12 +116,27 @@ def test_a_real_worker_learns_or_retires_and_changes_no_answer(
     if retired:
         assert retired[0].startswith("drift: "), retired
         outcome = f"retired: {retired[0]}"
+        assert report[0].state == "retired" and report[0].reason == retired[0]
     else:
         assert learned, log  # range 2 (two decodes a step) had 10 shadowed steps at least
         assert {rng for rng, _, _ in learned} >= {"2"}
         outcome = "bit-identical at 1 and 2 threads; learned " + "; ".join(
             f"range {rng}: fastest {fastest} ({medians})" for rng, fastest, medians in learned
         )
+        assert report[0].state == "learning" and report[0].reason is None
+        assert {str(r): x.fastest for r, x in report[0].ranges.items() if x.fastest} == {
+            rng: int(fastest) for rng, fastest, _ in learned
+        }
+        for rng, _, _ in learned:  # each count's median and M verified passes at least
+            record = report[0].ranges[int(rng)]
+            assert set(record.medians) == {1, 2} and min(record.verified.values()) >= 5
+    # What the engine core holds for API servers: the worker's report as of its last shadow pass.
+    assert [(r.rank, r.configured, r.mode, r.state) for r in off] == [(0, 2, 0, "off")]
+    assert off[0].shadow_passes == 0 and off[0].ranges == {}
+    (one,) = report
+    assert (one.rank, one.configured, one.mode, one.candidates) == (0, 2, 1, [1, 2])
+    assert one.shadow_passes == one.shadow_plans - one.shadow_abandoned > 0
+    assert one.shadow_seconds > 0 and one.shadow_thread_seconds >= one.shadow_seconds
     with capfd.disabled():
         print(f"\nthread learning on this host: {outcome}")
 
@@ -203,18 +230,24 @@ def test_a_drifting_count_retires_learning_and_serving_goes_on() -> None:
     tuner = ThreadTuner(runner, learner)
     assert tuner.golden() and learner.state == "warming"
     scheduler, now = _scheduler(), 0.0
+    reports: list[str] = []  # the state in each report a result carried
     while scheduler.has_work:
         now += 1.0
         out = scheduler.schedule(now)
         expected = plain.run(out)
         got: list[Any] = []
-        assert tuner.serve(out, got.append) == expected and got == [expected]
+        served = tuner.serve(out, got.append)
+        assert got == [served] and msgspec.structs.replace(served, threads=None) == expected
+        if served.threads is not None:
+            reports.append(served.threads.state)
         scheduler.update_from_output(out, expected.sampled)
         learner.check_invariants()
+    # The golden check's report, then one after each shadow pass (on the next step), then none.
+    assert reports == ["warming", "learning", "learning", "retired"]
     assert str(learner.state) == "retired" and learner.reason is not None
     assert learner.reason.startswith("drift: a shadow pass at 2 threads"), learner.reason
     assert learner.shadow_passes == 3  # the warm pass, one at 1 thread, the drifting one
-    assert tuner.view()["state"] == "retired"
+    assert tuner.report().state == "retired" and tuner.take_report() is None
 
 
 def test_each_forward_states_its_count_on_its_own_thread() -> None:

@@ -87,7 +87,14 @@ async def run_engine(config: EngineProcessConfig, ctx: zmq.Context[zmq.Socket[by
             worker = WorkerExecutorConfig.from_config(config)
             async with open_worker_executor(worker) as workers:
                 sched = scheduler_config(config, workers.ready.num_blocks)
-                core = SchedulerCore(sched, workers, vocab_size=model.vocab_size, kind="model")
+                core = SchedulerCore(
+                    sched,
+                    workers,
+                    vocab_size=model.vocab_size,
+                    kind="model",
+                    threads=workers.ready.threads,
+                    ranks=worker.tensor_parallel_size,
+                )
                 await EngineCore(engine, core, ctx, step_timeout=worker.step_timeout).run()
         case _:
             raise ValueError(f"no engine core of kind {engine.kind!r}")

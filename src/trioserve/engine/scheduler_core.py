@@ -11,6 +11,12 @@ the forward lands right after it, before that step's outputs are made (the sched
 aborted requests' results; their blocks are freed at the abort), and one that arrives between steps
 lands before the next step is chosen.
 
+Thread reports: the latest ``WorkerThreads`` of the workers (in ``WorkerReady``, then in a step's
+``StepResult`` when it changed) is kept encoded and set on every ``stats()`` (``EngineStats.worker_threads``).
+Only the output rank reports; under tensor parallelism its report stands for every rank (each computes
+its count the same way, from the core set and quota the engine core's process tree shares), rank
+number aside.
+
 Wall-clock times (the requests' "queued", "scheduled" and "preempted" events) are read here and passed
 in: the scheduler reads no clock.
 """
@@ -20,16 +26,26 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import msgspec
+
 from trioserve.engine.executor import Executor, ExecutorFailed
 from trioserve.engine.scheduler import Scheduler, SchedulerConfig
 from trioserve.protocol.messages import AddRequest, EngineReady, EngineStats, RequestOutput
 from trioserve.protocol.step import SchedulerOutput
+from trioserve.protocol.thread_report import NO_WORKER_THREADS, WorkerThreads, encode_worker_threads
 from trioserve.protocol.worker_messages import StepResult
 
 
 class SchedulerCore:
     def __init__(
-        self, config: SchedulerConfig, executor: Executor, *, vocab_size: int, kind: str = "reference"
+        self,
+        config: SchedulerConfig,
+        executor: Executor,
+        *,
+        vocab_size: int,
+        kind: str = "reference",
+        threads: WorkerThreads | None = None,
+        ranks: int = 1,
     ) -> None:
         self.scheduler = Scheduler(config)
         # Read per step (a test may swap it before the first one); it reports failures while idle.
@@ -41,6 +57,14 @@ class SchedulerCore:
         self._step: SchedulerOutput | None = None
         self._sampled: StepResult | dict[str, list[int]] = {}
         self._aborts: list[str] = []
+        self._ranks = ranks
+        self._threads = NO_WORKER_THREADS
+        if threads is not None:
+            self._set_threads(threads)
+
+    def _set_threads(self, report: WorkerThreads) -> None:
+        reports = [msgspec.structs.replace(report, rank=rank) for rank in range(self._ranks)]
+        self._threads = encode_worker_threads(reports)
 
     def ready(self, engine_index: int, pid: int) -> EngineReady:
         config = self.scheduler.config
@@ -105,10 +129,14 @@ class SchedulerCore:
         result, self._sampled = self._sampled, {}
         self._apply_aborts()  # those that arrived during the forward: before its outputs
         if isinstance(result, StepResult):
+            if result.threads is not None:
+                self._set_threads(result.threads)
             return self.scheduler.update_from_output(
                 step, result.sampled, result.logprobs, result.prompt_logprobs
             )
         return self.scheduler.update_from_output(step, result)
 
     def stats(self) -> EngineStats:
-        return self.scheduler.stats()
+        stats = self.scheduler.stats()
+        stats.worker_threads = self._threads
+        return stats

@@ -35,6 +35,7 @@ from trioserve.frontend.replica_pool import ReplicaPool
 from trioserve.frontend.replica_slots import ReplicaSlots
 from trioserve.frontend.serving import Serving
 from trioserve.frontend.text.tokenizer import Tokenizer
+from trioserve.frontend.thread_metrics import thread_families
 from trioserve.metrics import Metrics
 
 log = logging.getLogger("trioserve.frontend")
@@ -275,7 +276,7 @@ class ApiServer:
         if peers is not None:
             return await peers.scrape()
         f = self.metric_families()
-        return self.metrics.render(f.gauges, f.counters, f.rejected)
+        return self.metrics.render(f.gauges, f.counters, f.rejected, f.labelled)
 
     def _scale_out_families(
         self, gauges: dict[str, tuple[str, float]], counters: dict[str, tuple[str, float]]
@@ -457,4 +458,10 @@ class ApiServer:
         }
         self._scale_out_families(gauges, counters)
         # No engine stats yet: the least fresh view, so a peer's that has some wins (metrics.py).
-        return Families(gauges, counters, dict(admission.rejected), max(ages, default=math.inf))
+        return Families(
+            gauges,
+            counters,
+            dict(admission.rejected),
+            max(ages, default=math.inf),
+            thread_families(self.handler.engine_stats),
+        )

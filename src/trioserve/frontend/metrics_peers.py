@@ -33,12 +33,13 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import trio
 import zmq
 
 from trioserve.metrics import (
+    Labelled,
     Metrics,
     MetricsState,
     decode_state,
@@ -64,6 +65,7 @@ class Families:
     counters: Mapping[str, tuple[str, float]]
     rejected: Mapping[str, int]
     engine_age: float  # seconds since the oldest engine stats behind the engine gauges arrived
+    labelled: Labelled = field(default_factory=dict)  # per worker (``frontend/thread_metrics.py``)
 
 
 def metrics_address(ipc_dir: str, index: int) -> str:
@@ -110,7 +112,9 @@ class MetricsPeers:
         """This server's state now (from ``f``, else read now)."""
         if f is None:
             f = self.families()
-        return self.metrics.state(f.gauges, f.counters, f.rejected, index=self.index, engine_age=f.engine_age)
+        return self.metrics.state(
+            f.gauges, f.counters, f.rejected, index=self.index, engine_age=f.engine_age, labelled=f.labelled
+        )
 
     async def save(self, state: MetricsState) -> None:
         """Write ``state`` to this server's file (rule 4), on a worker thread: a write costs 20 µs on
@@ -186,7 +190,7 @@ class MetricsPeers:
                 answer = read_state(state_path(self.ipc_dir, peer))  # rule 4
             if answer is not None:
                 states.append(answer)
-        return self.metrics.render_states(f.gauges, f.counters, states, up)
+        return self.metrics.render_states(f.gauges, f.counters, states, up, f.labelled)
 
     async def gather(self) -> dict[int, MetricsState]:
         """Every peer's answer to one request, those that came within ``timeout`` (rule 2). A call

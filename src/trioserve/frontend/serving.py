@@ -50,6 +50,7 @@ from trioserve.frontend.text.chat_template import (
 )
 from trioserve.frontend.text.stop_strings import StopStringMatcher
 from trioserve.frontend.text.tokenizer import Tokenizer
+from trioserve.frontend.thread_metrics import thread_inventory
 from trioserve.protocol.messages import AddRequest
 from trioserve.runtime.sync import Waker
 
@@ -365,6 +366,8 @@ class Serving:
         assert isinstance(data, list)
         if len(data) == 1:
             data[0]["in_flight"] = len(self.active)
+        for entry in data:  # its workers' threads (docs/threads.md), as of its latest stats
+            entry["threads"] = thread_inventory(self.handler.engine_stats.get(entry["index"]))
         if self.slots is not None:
             for entry in data:
                 entry["in_flight"], entry["outstanding_bytes"] = self.slots.totals(entry["index"])

@@ -16,6 +16,8 @@ from typing import Literal
 
 import msgspec
 
+from trioserve.protocol.thread_report import NO_WORKER_THREADS
+
 PROTOCOL_VERSION = 1
 
 # An engine sends every API server a message at least this often (seconds), busy or idle: an idle
@@ -227,6 +229,10 @@ class EngineStats(_Wire):
     step_elapsed: float = 0.0  # seconds
     step_bound: float = 0.0  # seconds
     step_overdue: bool = False
+    # Its workers' thread reports: a msgpack ``list[WorkerThreads]`` encoded once by the engine core
+    # when a report changes, decoded by an API server only for /metrics and the inventory
+    # (``protocol/thread_report.py``). An engine without workers sends an empty list.
+    worker_threads: msgspec.Raw = NO_WORKER_THREADS
 
 
 class EngineOutputs(_Wire, tag="out"):

@@ -12,6 +12,7 @@ from trioserve.protocol.codec import Codec
 from trioserve.protocol.messages import TokenLogprobs
 from trioserve.protocol.ring_layout import RingHandle
 from trioserve.protocol.step import SchedulerOutput
+from trioserve.protocol.thread_report import THREAD_REPORT_BYTES, WorkerThreads
 
 
 class WorkerLaunch(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -66,6 +67,7 @@ class WorkerReady(_Wire, tag="ready"):
     load_seconds: float
     device: str
     num_blocks: int  # KV blocks the worker allocated: the engine core's ledger gets exactly these
+    threads: WorkerThreads | None = None  # its CPU threads, after the golden check (thread_report.py)
 
 
 class StepResult(_Wire, tag="result"):
@@ -79,6 +81,7 @@ class StepResult(_Wire, tag="result"):
     sampled: dict[str, list[int]]
     logprobs: dict[str, list[TokenLogprobs]] | None = None
     prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None
+    threads: WorkerThreads | None = None  # only when the worker's thread report changed (thread_report.py)
 
 
 # The most alternatives per token (SamplingParams.logprobs / prompt_logprobs) the engine computes: the
@@ -91,9 +94,12 @@ def step_result_bytes(max_num_batched_tokens: int, max_num_seqs: int) -> int:
     """An upper bound on one encoded ``StepResult``, rounded up to a MiB, at least 1 MiB: a step sends
     at most one prompt logprobs entry per computed token and one sampled entry per request, each at
     most ``MAX_ENGINE_LOGPROBS`` alternatives (a 5-byte id and a 9-byte float64 each) plus its own
-    fields and headers (26 bytes); per request its id (1 KiB) in each of the three maps and a token."""
+    fields and headers (26 bytes); per request its id (1 KiB) in each of the three maps and a token;
+    and a thread report."""
     per_entry = 26 + 14 * MAX_ENGINE_LOGPROBS
-    bound = (max_num_batched_tokens + max_num_seqs) * per_entry + max_num_seqs * (3 * 1024 + 16) + 4096
+    per_request = 3 * 1024 + 16
+    bound = (max_num_batched_tokens + max_num_seqs) * per_entry + max_num_seqs * per_request
+    bound += THREAD_REPORT_BYTES + 4096
     return max(1, -(-bound // (1 << 20))) * (1 << 20)
 
 

@@ -42,6 +42,7 @@ import transformers
 
 from trioserve.models.geometry import KVGeometry
 from trioserve.models.shard_plan import ShardPlan
+from trioserve.protocol.thread_report import WorkerThreads
 from trioserve.protocol.worker_messages import (
     WorkerFailed,
     WorkerLaunch,
@@ -103,14 +104,22 @@ def _serve(launch: WorkerLaunch, steps: RingReader, answer: Callable[[msgspec.St
     """Load the model, say so, then run steps until told to stop (the return value: the exit code)."""
     try:
         runner = _load(launch)
-        tuner = thread_tuner(launch, runner)
+        learning = thread_tuner(launch, runner)
     except Exception as exc:
         log.exception("worker %d could not load %s", launch.rank, launch.model)
         answer(WorkerFailed(launch.rank, f"loading {launch.model} failed: {exc!r}"))
         return 1
-    if tuner is not None:
+    tuner: ThreadTuner | None = None
+    if isinstance(learning, ThreadTuner):
+        tuner = learning
         tuner.golden()
-    answer(WorkerReady(launch.rank, os.getpid(), runner.load_seconds, str(runner.device), runner.num_blocks))
+        threads = tuner.report()
+        tuner.take_report()  # WorkerReady carries it: the first step need not
+    else:
+        threads = learning
+    ready = WorkerReady(launch.rank, os.getpid(), runner.load_seconds, str(runner.device), runner.num_blocks)
+    ready.threads = threads
+    answer(ready)
     codec = worker_input_codec()
     while True:
         try:
@@ -148,25 +157,29 @@ def shadow_every(environ: dict[str, str] | None = None) -> int:
     return int(raw)
 
 
-def thread_tuner(launch: WorkerLaunch, runner: ModelRunner) -> ThreadTuner | None:
-    """This worker's thread learning, or None when it is off (mode 0) or cannot apply (logged)."""
+def thread_tuner(launch: WorkerLaunch, runner: ModelRunner) -> ThreadTuner | WorkerThreads:
+    """This worker's thread learning; or, when it is off (mode 0) or cannot apply (logged), the
+    report it gives instead: its configured count, state off, and why."""
     mode = launch.worker.cpu_adaptive_threads
-    if mode == 0:
-        return None
-    if runner.device.type != "cpu":
-        log.info(
-            "worker %d: adaptive threads off: only CPU workers learn (this one is on %s)",
-            launch.rank,
-            runner.device,
+    reason: str | None = None
+    if mode != 0 and runner.device.type != "cpu":
+        reason = f"only CPU workers learn (this one is on {runner.device})"
+    elif mode != 0 and launch.tensor_parallel_size > 1:
+        reason = (
+            "tensor parallelism: every rank must run each step at the same count, and a rank holds no "
+            "whole answer to verify a count against"
         )
-        return None
-    if launch.tensor_parallel_size > 1:
-        log.info(
-            "worker %d: adaptive threads off with tensor parallelism: every rank must run each step at "
-            "the same count, and a rank holds no whole answer to verify a count against",
-            launch.rank,
+    if mode == 0 or reason is not None:
+        if reason is not None:
+            log.info("worker %d: adaptive threads off: %s", launch.rank, reason)
+        return WorkerThreads(
+            rank=launch.rank,
+            configured=runner.num_threads,
+            mode=mode,
+            reason=reason,
+            set_num_threads_calls=runner.threads.sets,
+            parallel_backend=runner.threads.backend,
         )
-        return None
     rules = LearnerRules(mode, runner.num_threads, shadow_every=shadow_every())
     log.info(
         "worker %d: adaptive threads mode %d: counts %s, one shadow pass per %d served steps (%s backend)",

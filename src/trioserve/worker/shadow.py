@@ -21,8 +21,12 @@
 - **Events are logged** as they come out of the learner: ``learned`` (range, fastest, medians),
   ``retired`` (reason), ``serving_changed`` (range, count, previous).
 
-``view()`` is the learner's view plus the thread context's counters: what the worker would send to
-the engine core for /metrics and the inventory (not sent yet).
+**The report rides on the answers** (protocol/thread_report.py): ``report()`` is the learner's
+report plus the thread context's counters; ``WorkerReady`` carries it after the golden check, and a
+served step's ``StepResult`` carries it only when something the report counts changed since it was
+last sent (a shadow pass, an abandoned plan, retiring). A shadow runs after its step's answer, so its
+outcome goes out with the next step's; between changes, the per-step counters in the engine's copy
+(served steps, served medians) are as of the last change.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import time
 from collections.abc import Callable
 
 from trioserve.protocol.step import SchedulerOutput
+from trioserve.protocol.thread_report import WorkerThreads
 from trioserve.protocol.worker_messages import StepResult
 from trioserve.worker.model_runner import ModelRunner
 from trioserve.worker.thread_learner import ThreadEvent, ThreadLearner, range_tokens
@@ -58,6 +63,7 @@ class ThreadTuner:
         self.learner = learner
         self.rank = rank
         self.clock = clock
+        self._changed = True  # the report changed since it was last taken
 
     def golden(self) -> bool:
         """The start-up golden check, fed to the learner; returns whether it passed."""
@@ -80,6 +86,7 @@ class ThreadTuner:
         )
         self.learner.on_golden(passed, self.clock(), detail)
         self._log_events()
+        self._changed = True
         return passed
 
     def serve(self, step: SchedulerOutput, answer: Callable[[StepResult], None]) -> StepResult:
@@ -88,17 +95,18 @@ class ThreadTuner:
         tokens = runner.step_tokens(step)
         if tokens == 0:  # only finished or preempted requests: no forward
             result = runner.run(step)
-            answer(result)
+            self._answer(result, answer)
             return result
         count = learner.serve_count(tokens)
         result = runner.run(step, threads=count, keep_logits=learner.would_plan(tokens))
-        answer(result)
+        self._answer(result, answer)
         seconds = runner.last_seconds
         if seconds is None or runner.last_rows == 0:
             return result  # no logits kept: nothing a shadow could compare
         learner.on_served_timing(tokens, count, seconds)
         plan = learner.on_served(tokens, self.clock())
         if plan is not None:
+            self._changed = True
             if runner.last is None or runner.last.tokens != plan.step_tokens:
                 learner.abandon(plan)
             else:
@@ -116,13 +124,23 @@ class ThreadTuner:
         self._log_events()
         return result
 
-    def view(self) -> dict[str, object]:
-        """The learner's view (``ThreadLearner.view``) with the thread context's counters."""
-        view = self.learner.view()
-        view["rank"] = self.rank
-        view["set_num_threads_calls"] = self.runner.threads.sets
-        view["parallel_backend"] = self.runner.threads.backend
-        return view
+    def report(self) -> WorkerThreads:
+        """The learner's report (``ThreadLearner.report``) with the thread context's counters."""
+        report = self.learner.report(self.rank)
+        report.set_num_threads_calls = self.runner.threads.sets
+        report.parallel_backend = self.runner.threads.backend
+        return report
+
+    def take_report(self) -> WorkerThreads | None:
+        """``report()`` if it changed since the last call, else None (what a ``StepResult`` carries)."""
+        if not self._changed:
+            return None
+        self._changed = False
+        return self.report()
+
+    def _answer(self, result: StepResult, answer: Callable[[StepResult], None]) -> None:
+        result.threads = self.take_report()
+        answer(result)
 
     def _log_events(self) -> None:
         for event in self.learner.take_events():

@@ -85,13 +85,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import msgspec
+
+from trioserve.protocol.thread_report import (
+    REASON_CHARS,
+    LearnerState,
+    RangeStatus,
+    ThreadRange,
+    WorkerThreads,
+)
+
 SHADOW_EVERY = 10  # K: at most one shadow pass per this many served steps
 MIN_SAMPLES = 5  # M: verified samples per candidate and range before the fastest is decided
 TRANSITION = 8  # W: further verified passes of the learned count before mode 2 serves it
 WINDOW = 16  # the latest verified samples per range and count that the median is taken over
 
-LearnerState = Literal["off", "waiting_golden", "warming", "learning", "retired"]
-RangeStatus = Literal["learning", "learned", "verifying", "serving"]
 ThreadEventKind = Literal["learned", "retired", "serving_changed"]
 Bytes = bytes | bytearray | memoryview  # a logits tensor's bytes (e.g. ``tensor.numpy().tobytes()``)
 
@@ -381,43 +389,50 @@ class ThreadLearner:
         events, self._events = self._events, []
         return events
 
-    def view(self) -> dict[str, object]:
-        """The learner for /metrics and the inventory (JSON-able; counts and ranges as strings)."""
+    def report(self, rank: int = 0) -> WorkerThreads:
+        """The learner as the worker reports it to /metrics and the inventory (protocol/thread_report.py)."""
         rules = self.rules
-        ranges: dict[str, object] = {}
-        for rng, rec in sorted(self._ranges.items()):
-            ranges[str(rng)] = {
-                "tokens": list(range_tokens(rng)),
-                "status": rec.status,
-                "fastest": rec.fastest,
-                "serving": self.serve_count(rng),
-                "steps": rec.steps,
-                "medians": {str(c): _median(w) for c, w in rec.samples.items() if w},
-                "verified": {str(c): n for c, n in rec.verified.items()},
-                "served_medians": {str(c): _median(w) for c, w in sorted(rec.served.items()) if w},
-                "transition_passes": rec.transition_passes,
-                "learned_at": rec.learned_at,
-                "serving_since": rec.serving_since,
-            }
-        return {
-            "mode": rules.mode,
-            "configured": rules.configured,
-            "candidates": list(self._allowed),
-            "state": self.state,
-            "reason": self.reason,
-            "retired_at": self.retired_at,
-            "shadow_every": rules.shadow_every,
-            "min_samples": rules.min_samples,
-            "transition_window": rules.transition,
-            "window": rules.window,
-            "served_steps": self.served_steps,
-            "shadow_plans": self.plans_issued,
-            "shadow_passes": self.shadow_passes,
-            "shadow_abandoned": self.plans_abandoned,
-            "shadow_seconds": self.shadow_seconds,
-            "shadow_thread_seconds": self.shadow_thread_seconds,
-            "ranges": ranges,
+        ranges = {
+            rng: ThreadRange(
+                tokens=range_tokens(rng),
+                status=rec.status,
+                fastest=rec.fastest,
+                serving=self.serve_count(rng),
+                steps=rec.steps,
+                medians={c: statistics.median(w) for c, w in rec.samples.items() if w},
+                verified=dict(rec.verified),
+                served_medians={c: statistics.median(w) for c, w in sorted(rec.served.items()) if w},
+                transition_passes=rec.transition_passes,
+                learned_at=rec.learned_at,
+                serving_since=rec.serving_since,
+            )
+            for rng, rec in sorted(self._ranges.items())
         }
+        return WorkerThreads(
+            rank=rank,
+            configured=rules.configured,
+            mode=rules.mode,
+            state=self.state,
+            reason=None if self.reason is None else self.reason[:REASON_CHARS],
+            retired_at=self.retired_at,
+            candidates=list(self._allowed),
+            shadow_every=rules.shadow_every,
+            min_samples=rules.min_samples,
+            transition_window=rules.transition,
+            window=rules.window,
+            served_steps=self.served_steps,
+            shadow_plans=self.plans_issued,
+            shadow_passes=self.shadow_passes,
+            shadow_abandoned=self.plans_abandoned,
+            shadow_seconds=self.shadow_seconds,
+            shadow_thread_seconds=self.shadow_thread_seconds,
+            ranges=ranges,
+        )
+
+    def view(self) -> dict[str, object]:
+        """``report()`` as JSON-able builtins (counts and ranges as string keys), for tests and benches."""
+        view: dict[str, object] = msgspec.json.decode(msgspec.json.encode(self.report()))
+        return view
 
     # --------------------------------------------------------------------------------- internals
 
