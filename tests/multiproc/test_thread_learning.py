@@ -176,6 +176,17 @@ def _drifting(runner: ModelRunner, wrapped: _Perturbed, at: int) -> None:
     runner.reforward = reforward  # type: ignore[method-assign]
 
 
+def _twin_runners() -> tuple[ModelRunner, ModelRunner, _Perturbed]:
+    """Two 1-thread runners on the same random weights: a plain one, and one whose model can be
+    perturbed (the wrapper, returned third)."""
+    torch.manual_seed(0)
+    model: Any = LlamaForCausalLM(tiny_config())
+    model.eval()
+    wrapped = _Perturbed(model)
+    plain = ModelRunner(model, num_blocks=32, block_size=4, num_threads=1)
+    return plain, ModelRunner(wrapped, num_blocks=32, block_size=4, num_threads=1), wrapped
+
+
 def _scheduler() -> Scheduler:
     config = SchedulerConfig(
         max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64, num_blocks=32, block_size=4
@@ -192,12 +203,7 @@ def test_a_rerun_that_computes_otherwise_leaves_the_cache_as_served() -> None:
     decodes of two requests); one re-runs every step perturbed after serving it. The re-runs' logits
     differ from the served ones, yet the answers and the paged caches stay byte-equal at every step,
     and the golden check leaves the pool as it found it."""
-    torch.manual_seed(0)
-    model: Any = LlamaForCausalLM(tiny_config())
-    model.eval()
-    wrapped = _Perturbed(model)
-    plain = ModelRunner(model, num_blocks=32, block_size=4, num_threads=1)
-    shadowed = ModelRunner(wrapped, num_blocks=32, block_size=4, num_threads=1)
+    plain, shadowed, wrapped = _twin_runners()
     assert shadowed.golden(1) == shadowed.golden(1)
     assert _cache_bytes(shadowed) == _cache_bytes(plain)
     _drifting(shadowed, wrapped, at=2)
@@ -219,12 +225,7 @@ def test_a_rerun_that_computes_otherwise_leaves_the_cache_as_served() -> None:
 def test_a_drifting_count_retires_learning_and_serving_goes_on() -> None:
     """The tuner on a runner whose 2-thread re-runs drift: golden check, the warm pass and the
     1-thread shadow are exact; the first 2-thread shadow retires learning, naming the count."""
-    torch.manual_seed(0)
-    model: Any = LlamaForCausalLM(tiny_config())
-    model.eval()
-    wrapped = _Perturbed(model)
-    plain = ModelRunner(model, num_blocks=32, block_size=4, num_threads=1)
-    runner = ModelRunner(wrapped, num_blocks=32, block_size=4, num_threads=1)
+    plain, runner, wrapped = _twin_runners()
     _drifting(runner, wrapped, at=2)
     learner = ThreadLearner(LearnerRules(1, 1, candidates=(1, 2), shadow_every=1))
     tuner = ThreadTuner(runner, learner)
