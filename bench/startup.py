@@ -29,6 +29,7 @@ from scale_out import loadavg
 
 PHASES = {  # column -> the log line that ends it
     "API modules + tokenizer": r"API server modules and tokenizer loaded",
+    "worker imports done": r"trioserve\.worker\] worker \d+: \d+ threads",  # its first line, in _load
     "worker model loaded": r"trioserve\.worker\] loaded ",
     "engine ready": r"engine core 0 ready",
     "API ready": r"trioserve ready on",

@@ -1,8 +1,9 @@
 """The thread-count learner (issue 15): golden gate, warm pass, ranges, pacing, candidate choice,
 medians, the fastest count, the drift rule, mode 1 and mode 2's transition window, mode 0.
 
-Timings and times are plain floats injected by the tests (the learner never reads a clock), so no
-MockClock is needed. Ends with a Hypothesis state machine over random event sequences.
+Timings and times are plain floats injected by the tests (the learner never reads a clock); the
+worker's tuner around it runs on a MockClock in ``tests/trio/test_thread_tuner.py``. Ends with a
+Hypothesis state machine over random event sequences.
 """
 
 from __future__ import annotations
