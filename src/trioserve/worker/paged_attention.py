@@ -25,6 +25,8 @@ which is why pyproject pins that version.
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,8 +79,26 @@ class PagedKVCache:
     ) -> None:
         self.block_size = block_size
         shape = (num_blocks, num_kv_heads, block_size, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        pool = zeroed((2 * num_layers, *shape), dtype, device)
+        self.keys = list(pool[:num_layers])
+        self.values = list(pool[num_layers:])
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor for the KV pool. On the CPU, an anonymous private mapping: the kernel guarantees
+    its pages read as zero and faults each one in when it is first written, so start-up does not wait
+    for the whole pool to be touched. ``torch.zeros`` writes every page before the worker can say
+    ready: for the default 2 GiB pool that was 2.9-4.9 s of this VM's start-up (docs/benchmarks.md),
+    against nothing here. The price: the first write of each 4 KiB page costs a fault (on this VM
+    1-2 s spread over the first fill of all 2 GiB; none afterwards), and the pool becomes resident as
+    it fills, so a host short of memory finds out while serving, not at start. Elsewhere:
+    ``torch.zeros``."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape)
+    nbytes = count * torch.empty(0, dtype=dtype).element_size()
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buffer, dtype=dtype, count=count).view(shape)  # it keeps the mapping alive
 
 
 def gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
