@@ -1,5 +1,6 @@
 """The KV pool's memory (worker/paged_attention.py, ``zeroed``): on the CPU an anonymous mapping that
-reads as zero, takes writes, and is not resident until written."""
+reads as zero, takes writes, and is resident from the start (populated, not faulted in by the steps
+that first write it)."""
 
 from __future__ import annotations
 
@@ -34,10 +35,8 @@ def resident_bytes() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def test_a_large_pool_costs_no_memory_until_it_is_written() -> None:
+def test_a_pool_is_resident_before_anything_is_written() -> None:
     before = resident_bytes()
     pool = zeroed((256, 1024, 1024), torch.uint8, torch.device("cpu"))  # 256 MiB
-    assert resident_bytes() - before < 64 << 20  # torch.zeros: all 256 MiB
-    pool[:128].fill_(1)  # half of it written: resident now
-    assert resident_bytes() - before > 100 << 20
-    assert pool[:128].sum().item() == 128 << 20 and pool[128:].sum().item() == 0
+    assert resident_bytes() - before > 200 << 20  # a lazy mapping: next to nothing
+    assert pool[:128].sum().item() == 0

@@ -85,19 +85,19 @@ class PagedKVCache:
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero tensor for the KV pool. On the CPU, an anonymous private mapping: the kernel guarantees
-    its pages read as zero and faults each one in when it is first written, so start-up does not wait
-    for the whole pool to be touched. ``torch.zeros`` writes every page before the worker can say
-    ready: for the default 2 GiB pool that was 2.9-4.9 s of this VM's start-up (docs/benchmarks.md),
-    against nothing here. The price: the first write of each 4 KiB page costs a fault (on this VM
-    1-2 s spread over the first fill of all 2 GiB; none afterwards), and the pool becomes resident as
-    it fills, so a host short of memory finds out while serving, not at start. Elsewhere:
-    ``torch.zeros``."""
+    """A zero tensor for the KV pool, resident from the start. On the CPU, an anonymous private mapping
+    with ``MAP_POPULATE``: the kernel hands out zeroed pages and maps them all in one call, where
+    ``torch.zeros`` takes a page fault per page and then writes each page again (2 GiB on this VM:
+    0.8-3.2 s against 2.9-4.9 s; docs/benchmarks.md). Not populated lazily on purpose: with the prefix
+    cache, freed blocks stay cached and new ones keep coming from pages never touched, and each first
+    write's fault made the served tiny model 30 % slower until the pool had been used once. Without
+    ``MAP_POPULATE`` (not Linux) the pages fault in as first written. Elsewhere: ``torch.zeros``."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     count = math.prod(shape)
     nbytes = count * torch.empty(0, dtype=dtype).element_size()
-    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+    buffer = mmap.mmap(-1, nbytes, flags=flags)
     return torch.frombuffer(buffer, dtype=dtype, count=count).view(shape)  # it keeps the mapping alive
 
 
