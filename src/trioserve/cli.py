@@ -554,6 +554,7 @@ def serve_config(ns: argparse.Namespace, environ: Mapping[str, str] | None = Non
         AddressLayout.of(config.engine.handshake_address, "")  # a TCP one needs a reachable IP:PORT
         require_secret_for(config.engine.handshake_address, config.engine.engine_secret)
     _check_resizing(config, values)
+    check_adaptive_threads(config.engine.kind, config.worker)
     if config.engine.capacity == 1:
         for name in ("dispatch", *_EJECTION_SETTINGS):
             if name in values:  # a deployment of one replica never ejects it: they would do nothing
@@ -642,6 +643,7 @@ def engine_process_config(
     if config.engine.kind == "model" and config.model.model is None:
         raise ValueError("--engine model needs --model (a Hugging Face folder)")
     check_tensor_parallel(config.engine.kind, config.model, config.worker)
+    check_adaptive_threads(config.engine.kind, config.worker)
     return config
 
 
@@ -659,6 +661,24 @@ def check_tensor_parallel(kind: str, model: ModelConfig, worker: WorkerConfig) -
         return
     if (Path(folder) / "config.json").is_file():  # a folder that is not a model fails where it always has
         ShardPlan.from_model_dir(folder, worker.tensor_parallel_size)
+
+
+def check_adaptive_threads(kind: str, worker: WorkerConfig) -> None:
+    """Refuses (``ValueError``) thread learning where it could not run: it tunes a CPU model worker's
+    intra-op count, so not for an engine without one, not on CUDA, and not with ``-tp`` (every rank
+    must run each step at the same count; no rank holds a whole answer to verify a count against).
+    ``--device auto`` is decided by the worker, which reports learning off on a GPU."""
+    if worker.cpu_adaptive_threads == 0:
+        return
+    where = f"{_flag('cpu_adaptive_threads')} ({ADAPTIVE_THREADS_ENV})"
+    if kind != "model":
+        raise ValueError(f"{where}: it tunes a model worker's CPU threads; not for --engine {kind}")
+    if worker.device.startswith("cuda"):
+        raise ValueError(
+            f"{where}: only CPU workers learn their thread count; not with --device {worker.device}"
+        )
+    if worker.tensor_parallel_size > 1:
+        raise ValueError(f"{where}: not with --tensor-parallel-size above 1 (every rank runs one count)")
 
 
 def _flag(setting: str) -> str:

@@ -208,6 +208,25 @@ def test_the_threads_env_sets_worker_threads_when_the_flag_is_absent() -> None:
         serve_config(ns, {"TRIOSERVE_CPU_THREADS": "0"})
 
 
+def test_thread_learning_is_set_by_flag_or_env_and_refused_where_it_cannot_run() -> None:
+    def serve(*flags: str, env: dict[str, str] | None = None) -> ServeConfig:
+        return serve_config(build_parser().parse_args(["serve", *flags]), env or {})
+
+    assert serve().worker.cpu_adaptive_threads == 0
+    assert serve(env={"TRIOSERVE_CPU_ADAPTIVE_THREADS": "2"}).worker.cpu_adaptive_threads == 2
+    flagged = serve("--cpu-adaptive-threads", "1", env={"TRIOSERVE_CPU_ADAPTIVE_THREADS": "2"})
+    assert flagged.worker.cpu_adaptive_threads == 1  # the flag wins
+    with pytest.raises(ValueError, match="TRIOSERVE_CPU_ADAPTIVE_THREADS='3': expected 0, 1 or 2"):
+        serve(env={"TRIOSERVE_CPU_ADAPTIVE_THREADS": "3"})
+    with pytest.raises(ValueError, match="not for --engine mock"):
+        serve("--engine", "mock", "--cpu-adaptive-threads", "1")
+    with pytest.raises(ValueError, match="not with --device cuda"):
+        serve("--device", "cuda", "--cpu-adaptive-threads", "1")
+    with pytest.raises(ValueError, match="not with --tensor-parallel-size above 1"):
+        serve("-tp", "2", "--cpu-adaptive-threads", "2")
+    assert serve("--engine", "mock", "--cpu-adaptive-threads", "0").worker.cpu_adaptive_threads == 0
+
+
 def test_an_engine_core_pins_itself_to_its_device() -> None:
     before = os.sched_getaffinity(0)
     core = min(before)

@@ -113,13 +113,11 @@ def _serve(launch: WorkerLaunch, steps: RingReader, answer: Callable[[msgspec.St
     if isinstance(learning, ThreadTuner):
         tuner = learning
         tuner.golden()
-        threads = tuner.report()
-        tuner.take_report()  # WorkerReady carries it: the first step need not
+        threads = tuner.take_report()  # WorkerReady carries it (the golden check changed it)
     else:
         threads = learning
-    ready = WorkerReady(launch.rank, os.getpid(), runner.load_seconds, str(runner.device), runner.num_blocks)
-    ready.threads = threads
-    answer(ready)
+    pid, device = os.getpid(), str(runner.device)
+    answer(WorkerReady(launch.rank, pid, runner.load_seconds, device, runner.num_blocks, threads))
     codec = worker_input_codec()
     while True:
         try:
