@@ -194,3 +194,23 @@ async def test_a_bug_while_starting_a_ws_request_costs_only_that_request(
             finals[msg["id"]] = msg
     assert finals["boom"]["type"] == "error" and finals["boom"]["status"] == 500
     assert finals["long"]["type"] == "done"
+
+
+async def test_the_mock_engine_takes_constrained_requests_and_each_grammar_is_checked_once(
+    stack: Stack, autojump_clock: MockClock
+) -> None:
+    """The mock engine ignores the grammar (docs/structured_output.md); the API server still checks
+    it, once per distinct source, and refuses a bad one before anything reaches the engine."""
+    client = await stack.client()
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    for _ in range(3):
+        reply = await client.request(PATHS["chat"], chat_body(5, ignore_eos=False, response_format=schema))
+        assert reply.status == 200, reply.body
+        reply = await client.request(
+            PATHS["completion"], {"prompt": "x", "max_tokens": 3, "guided_regex": "a+"}
+        )
+        assert reply.status == 200, reply.body
+    assert stack.api.serving.grammars.compiles == 2
+    reply = await client.request(PATHS["chat"], chat_body(5, ignore_eos=False, guided_regex="a(b"))
+    assert reply.status == 400 and reply.json()["error"]["param"] == "guided_regex"
+    assert not stack.api.serving.active

@@ -62,23 +62,27 @@ def reference_greedy(model: Any, prompt: list[int], max_tokens: int) -> list[int
 class Engine:
     """The pure scheduler and the runner in a loop: what the engine core does, minus processes."""
 
-    def __init__(self, model: Any, **limits: Any) -> None:
+    def __init__(self, model: Any, tokenizer: str | None = None, **limits: Any) -> None:
         config = dict(
             max_num_seqs=16, max_num_batched_tokens=256, max_model_len=256, num_blocks=64, block_size=4
         )
         config.update(limits)
         self.scheduler = Scheduler(SchedulerConfig(**config))
-        self.runner = ModelRunner(model, config["num_blocks"], config["block_size"])
+        self.runner = ModelRunner(model, config["num_blocks"], config["block_size"], tokenizer=tokenizer)
         self.tokens: dict[str, list[int]] = {}
+        self.finish: dict[str, str] = {}
         self.cached: dict[str, int] = {}
         self.preemptions = 0
         self.now = 0.0
 
-    def add(self, rid: str, prompt: list[int], max_tokens: int, **sampling: Any) -> None:
+    def add(
+        self, rid: str, prompt: list[int], max_tokens: int, eos: int | None = None, **sampling: Any
+    ) -> None:
         params = SamplingParams(
             max_tokens=max_tokens, temperature=sampling.pop("temperature", 0.0), **sampling
         )
-        assert self.scheduler.add_request(AddRequest(rid, prompt, params, self.now), self.now) is None
+        add = AddRequest(rid, prompt, params, self.now, eos_token_id=eos)
+        assert self.scheduler.add_request(add, self.now) is None
         self.tokens[rid] = []
 
     def step(self) -> list[RequestOutput]:
@@ -91,6 +95,7 @@ class Engine:
             self.tokens[o.request_id] += o.new_token_ids
             if o.finish_reason is not None:
                 self.cached[o.request_id] = o.num_cached_tokens
+                self.finish[o.request_id] = o.finish_reason
         return outputs
 
     def run(self) -> dict[str, list[int]]:

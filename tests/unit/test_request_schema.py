@@ -68,6 +68,17 @@ _SAMPLING = {
     "logit_bias": "trioserve.frontend.request.validate:sampling_params",
     "allowed_token_ids": "trioserve.frontend.request.validate:sampling_params",
     "bad_words": "trioserve.frontend.request.validate:bad_words_token_ids",
+    **{
+        name: "trioserve.frontend.request.structured:grammar_source"
+        for name in (
+            "response_format",
+            "structured_outputs",
+            "guided_json",
+            "guided_regex",
+            "guided_choice",
+            "guided_grammar",
+        )
+    },
     "priority": "trioserve.frontend.serving:Serving._prepare",
     "timeout_ms": "trioserve.frontend.serving:Serving._prepare",
     "prompt_logprobs": "trioserve.frontend.request.validate:prompt_logprobs_count",
@@ -220,14 +231,6 @@ def completion(**fields: Any) -> dict[str, Any]:
 UNSUPPORTED_CASES: list[tuple[str, str, dict[str, Any], list[dict[str, Any]]]] = [
     ("best_of", "completion", completion(best_of=2), [completion(best_of=1), completion(best_of=2, n=2)]),
     ("suffix", "completion", completion(suffix="!"), [completion(suffix=""), completion(suffix=None)]),
-    (
-        "response_format",
-        "chat",
-        chat(response_format={"type": "json_object"}),
-        [chat(response_format={"type": "text"})],
-    ),
-    ("guided_json", "chat", chat(guided_json={"type": "object"}), [chat(guided_json=None)]),
-    ("structured_outputs", "completion", completion(structured_outputs={"regex": "a+"}), [completion()]),
     ("tools", "chat", chat(tools=[{"type": "function", "function": {"name": "f"}}]), [chat(tools=[])]),
     ("tool_choice", "chat", chat(tool_choice="auto"), [chat(tool_choice="none")]),
     ("store", "chat", chat(store=True), [chat(store=False)]),

@@ -46,6 +46,7 @@ from trioserve.protocol.messages import (
     MAX_ALLOWED_TOKEN_IDS,
     MAX_BAD_WORDS,
     MAX_BAD_WORDS_TOKENS,
+    MAX_GRAMMARS_PER_STEP,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_STOP_TOKEN_IDS,
     AddRequest,
@@ -604,3 +605,6 @@ def test_worst_case_step_with_every_list_at_its_cap_fits_the_slot() -> None:
         bad_words_token_ids=[[BIG] * (MAX_BAD_WORDS_TOKENS // MAX_BAD_WORDS)] * MAX_BAD_WORDS,
     )
     assert len(worst_case_step_frame(sampling)) <= step_slot_bytes(*WORST)
+    # and with the most grammars a step admits, each as large as the API server lets through
+    frame = worst_case_step_frame(sampling, grammars=MAX_GRAMMARS_PER_STEP)
+    assert len(frame) <= step_slot_bytes(*WORST)

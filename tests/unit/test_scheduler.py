@@ -26,7 +26,13 @@ from trioserve.engine.scheduler import (
     SchedulerConfig,
     SchedulerOutput,
 )
-from trioserve.protocol.messages import AddRequest, RequestEvent, RequestOutput, SamplingParams
+from trioserve.protocol.messages import (
+    MAX_GRAMMARS_PER_STEP,
+    AddRequest,
+    RequestEvent,
+    RequestOutput,
+    SamplingParams,
+)
 
 VOCAB = 50
 
@@ -200,6 +206,20 @@ def test_max_num_seqs_caps_running_requests() -> None:
     assert (d.s.stats().num_running, d.s.stats().num_waiting) == (2, 1)
     d.run()
     assert d.schedules == [{"a": 2, "b": 2}, {"a": 1, "b": 1}, {"c": 2}, {"c": 1}]
+
+
+def test_a_step_admits_at_most_max_grammars_per_step_requests_with_a_grammar() -> None:
+    n = MAX_GRAMMARS_PER_STEP
+    d = Driver(cfg(max_num_seqs=4 * n, max_num_batched_tokens=1024, num_blocks=16 * n))
+    d.add(make_add("plain-0", 2, max_tokens=2))
+    d.add(*(make_add(f"g{i}", 2, max_tokens=2, grammar="g") for i in range(n + 1)))
+    d.add(make_add("plain-1", 2, max_tokens=2))
+    d.step()
+    # The one past the cap stops admission, as a head of line that does not fit: queue order holds.
+    assert set(d.schedules[0]) == {"plain-0", *(f"g{i}" for i in range(n))}
+    d.step()
+    assert {f"g{n}", "plain-1"} <= set(d.schedules[1])
+    d.run()
 
 
 def test_prefix_hit_skips_cached_tokens_but_always_computes_one() -> None:

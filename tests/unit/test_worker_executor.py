@@ -11,7 +11,7 @@ from trioserve.config import EngineProcessConfig, override
 from trioserve.engine.main import scheduler_config
 from trioserve.engine.scheduler import SchedulerConfig
 from trioserve.engine.worker_executor import WorkerExecutorConfig, worker_command
-from trioserve.protocol.messages import MAX_STOP_TOKEN_IDS, SamplingParams
+from trioserve.protocol.messages import MAX_GRAMMAR_BYTES, MAX_STOP_TOKEN_IDS, SamplingParams
 from trioserve.protocol.ring_layout import RingHandle
 from trioserve.protocol.step import NewRequestData, SchedulerOutput, step_slot_bytes
 from trioserve.protocol.worker_messages import WorkerLaunch, WorkerStep
@@ -21,18 +21,20 @@ WORST = (2048, 256, 8192, 16)
 BIG = 2**31 - 1  # 5 bytes in msgpack
 
 
-def worst_case_step_frame(sampling: SamplingParams) -> bytes:
+def worst_case_step_frame(sampling: SamplingParams, grammars: int = 0) -> bytes:
     """One encoded step at ``WORST``: every request new, with the longest ids, whole block tables of
-    big ids, ``sampling`` each, and every request finished in the same step."""
+    big ids, ``sampling`` each (the first ``grammars`` of them with a grammar of the largest size
+    too), and every request finished in the same step."""
     max_tokens, max_seqs, max_len, block = WORST
     tokens_each = max_tokens // max_seqs
+    with_grammar = msgspec.structs.replace(sampling, grammar="g" * MAX_GRAMMAR_BYTES)
     new = [
         NewRequestData(
             request_id=f"chatcmpl-{i:024x}-{i}",  # as long as the API server makes them
             token_ids=[BIG] * tokens_each,
             num_computed_tokens=max_len - tokens_each,
             block_ids=[BIG] * (max_len // block),
-            sampling=sampling,
+            sampling=with_grammar if i < grammars else sampling,
             samples=True,
             num_prompt_tokens=max_len - tokens_each,
             eos_token_id=151645,

@@ -24,7 +24,9 @@ Each step:
 2. Then, unless step 1 preempted anything (the pool is tight; admitting more would only thrash),
    waiting requests in queue order while fewer than ``max_num_seqs`` run and budget is left: look up the
    prefix cache, allocate blocks for the first chunk, move to running. The first request that does not
-   fit stops admission for this step, so a big request at the head is not overtaken forever.
+   fit stops admission for this step, so a big request at the head is not overtaken forever; so does
+   a request with a grammar once ``MAX_GRAMMARS_PER_STEP`` of them were admitted in this step (the
+   step's ring slot is sized for that many grammars).
 
 Logprobs: the step's sampled-token logprobs ride on the outputs as they come (``update_from_output``);
 prompt logprobs are gathered on the request chunk by chunk and go out with its first output, once (a
@@ -49,7 +51,13 @@ import msgspec
 
 from trioserve.engine.kv_ledger import KVLedger
 from trioserve.engine.request import Request, RequestStatus
-from trioserve.protocol.messages import AddRequest, EngineStats, RequestOutput, TokenLogprobs
+from trioserve.protocol.messages import (
+    MAX_GRAMMARS_PER_STEP,
+    AddRequest,
+    EngineStats,
+    RequestOutput,
+    TokenLogprobs,
+)
 from trioserve.protocol.step import NewRequestData, RunningRequestData, SchedulerOutput
 from trioserve.protocol.worker_messages import MAX_ENGINE_LOGPROBS
 
@@ -277,8 +285,13 @@ class Scheduler:
         cfg = self.config
         ledger = self.ledger
         waiting = self.waiting
+        grammars = 0  # new requests with a grammar this step (the step's ring slot holds so many)
         while len(waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
             request = waiting.peek()
+            if request.sampling.grammar is not None:
+                if grammars == MAX_GRAMMARS_PER_STEP:
+                    break  # as a head of line that does not fit: the next step takes it
+                grammars += 1
             rid = request.request_id
             num_tokens = request.num_tokens
             cached: list[int] = []

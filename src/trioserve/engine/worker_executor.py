@@ -94,6 +94,7 @@ class WorkerExecutorConfig:
     log_level: str = "info"
     engine_index: int = 0  # this engine core's data-parallel rank, for the workers' titles
     data_parallel_size: int = 1
+    tokenizer: str | None = None  # --tokenizer, for structured output; None: the model folder's
 
     @classmethod
     def from_config(cls, config: EngineProcessConfig) -> WorkerExecutorConfig:
@@ -113,6 +114,7 @@ class WorkerExecutorConfig:
             log_level=config.log_level,
             engine_index=engine.engine_index,
             data_parallel_size=engine.capacity,  # for titles: the ranks the tree is sized for
+            tokenizer=model.tokenizer,
         )
 
     @property
@@ -139,6 +141,7 @@ class WorkerExecutorConfig:
     ) -> WorkerLaunch:
         return WorkerLaunch(
             model=self.model,
+            tokenizer=self.tokenizer,
             worker=self.worker,
             block_size=self.block_size,
             num_blocks=self.num_blocks,

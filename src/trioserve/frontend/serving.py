@@ -33,6 +33,7 @@ from trioserve.frontend.request.admission import Admission, Ticket
 from trioserve.frontend.request.errors import ApiError
 from trioserve.frontend.request.openai_schema import ChatCompletionRequest, ChatMessage, CompletionRequest
 from trioserve.frontend.request.renderer import RendererPool
+from trioserve.frontend.request.structured import GrammarCache, checked_grammar, grammar_source
 from trioserve.frontend.request.validate import (
     MAX_CHOICES,
     bad_words_token_ids,
@@ -124,6 +125,7 @@ class Serving:
         text = request.chat_template
         self.chat_template = None if text is None else compile_chat_template(text)
         self.request_templates = ChatTemplateCache()
+        self.grammars = GrammarCache()  # structured output's checked grammars, by their source
         self.admission = Admission(admission)
         self.active: set[Response] = set()
         # Response ids: a random per-process part and a counter (unique without a uuid4 per request).
@@ -299,16 +301,26 @@ class Serving:
         req: ChatCompletionRequest | CompletionRequest
         if kind == "chat":
             req = decode_body(body, ChatCompletionRequest)
-            options = output_options(req, self.model, self.request)
-            prompts: list[list[int]] = [await self.render(self._chat_prompt, req)]
         else:
             req = decode_body(body, CompletionRequest)
-            options = output_options(req, self.model, self.request)
+        options = output_options(req, self.model, self.request)
+        source = grammar_source(req)
+        grammar = None
+        if source is not None:  # checked before rendering: a bad schema costs no tokenizing
+            grammar = self.grammars.cached(source) or await self.render(
+                checked_grammar, self.grammars, source
+            )
+        prompts: list[list[int]]
+        if isinstance(req, ChatCompletionRequest):
+            prompts = [await self.render(self._chat_prompt, req)]
+        else:
             prompts = await self.render(self._completion_prompts, req)
             if len(prompts) > 1:
                 self._check_each_prompt(req, prompts)
         # max_tokens is the same for every prompt, so the longest one bounds it.
         params = sampling_params(req, self.model, max(len(p) for p in prompts))
+        if grammar is not None:
+            params = msgspec.structs.replace(params, grammar=grammar)
         if req.bad_words:  # tokenized once per request, on the renderer pool
             vocab = self.model.vocab_size
             words = await self.render(bad_words_token_ids, req.bad_words, self.tokenizer, vocab)

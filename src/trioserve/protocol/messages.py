@@ -102,6 +102,11 @@ MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_ALLOWED_TOKEN_IDS = 2048
 MAX_BAD_WORDS = 128
 MAX_BAD_WORDS_TOKENS = 1024
+# A request's output grammar (llguidance's form, built and checked by the API server) is at most this
+# many bytes, and a step admits at most ``MAX_GRAMMARS_PER_STEP`` requests that carry one (the
+# scheduler holds the rest for the next step): the ring slot is sized for that many.
+MAX_GRAMMAR_BYTES = 64 * 1024
+MAX_GRAMMARS_PER_STEP = 8
 
 
 class SamplingParams(_Wire):
@@ -128,6 +133,9 @@ class SamplingParams(_Wire):
     # k at --max-logprobs.
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # Structured output: the grammar every output token must keep the text inside (llguidance's JSON
+    # form; ``frontend/request/structured.py`` builds it, ``worker/grammar.py`` runs it). None: free text.
+    grammar: str | None = None
 
 
 class AddRequest(_Wire, tag="add"):

@@ -18,6 +18,8 @@ from trioserve.protocol.messages import (
     MAX_ALLOWED_TOKEN_IDS,
     MAX_BAD_WORDS,
     MAX_BAD_WORDS_TOKENS,
+    MAX_GRAMMAR_BYTES,
+    MAX_GRAMMARS_PER_STEP,
     MAX_LOGIT_BIAS_ENTRIES,
     SamplingParams,
 )
@@ -69,9 +71,12 @@ def step_slot_bytes(
     """An upper bound on one encoded ``SchedulerOutput``, rounded up to a MiB: msgpack ints take at most
     5 bytes here; per request a block table, and 1 KiB for its id (three times: new, scheduled,
     finished), sampling parameters (at most ``MAX_STOP_TOKEN_IDS`` stop token ids, 640 bytes) and
-    framing, plus the logits processors' lists at their caps (``sampling_lists_bytes``)."""
+    framing, plus the logits processors' lists at their caps (``sampling_lists_bytes``), plus the
+    grammars of the at most ``MAX_GRAMMARS_PER_STEP`` new requests that carry one (a string header
+    of 5 bytes each)."""
     per_request = 1024 + sampling_lists_bytes() + 5 * (-(-max_model_len // block_size))
-    bound = 5 * max_num_batched_tokens + max_num_seqs * per_request + 4096
+    grammars = min(max_num_seqs, MAX_GRAMMARS_PER_STEP) * (MAX_GRAMMAR_BYTES + 5)
+    bound = 5 * max_num_batched_tokens + max_num_seqs * per_request + grammars + 4096
     return -(-bound // (1 << 20)) * (1 << 20)
 
 

@@ -23,6 +23,7 @@ class WorkerLaunch(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     ``pass_fds`` (``RingHandle``'s rule)."""
 
     model: str  # the Hugging Face folder to load
+    tokenizer: str | None = None  # the tokenizer folder structured output reads; None: ``model``'s
     worker: WorkerConfig  # device, dtype, KV-cache memory, threads (the config tree's section)
     block_size: int
     num_blocks: int  # 0: as many as ``kv_cache_bytes`` holds

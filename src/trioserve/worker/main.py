@@ -236,5 +236,7 @@ def _load(launch: WorkerLaunch) -> ModelRunner:
     num_blocks = launch.num_blocks or geometry.blocks_for(launch.kv_cache_bytes, launch.block_size, dtype)
     if num_blocks < 1:
         raise ValueError(f"{launch.kv_cache_bytes} bytes of KV cache hold no block of {launch.block_size}")
-    config = RunnerConfig(launch.model, num_blocks, launch.block_size, device, dtype, threads, tp)
+    config = RunnerConfig(
+        launch.model, num_blocks, launch.block_size, device, dtype, threads, tp, tokenizer=launch.tokenizer
+    )
     return ModelRunner.load(config)

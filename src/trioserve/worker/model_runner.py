@@ -66,6 +66,7 @@ from trioserve.models.shard_plan import ShardPlan
 from trioserve.protocol.messages import SamplingParams, TokenLogprobs
 from trioserve.protocol.step import SchedulerOutput
 from trioserve.protocol.worker_messages import StepResult
+from trioserve.worker.grammar import GrammarBook, GrammarState, add_bias
 from trioserve.worker.paged_attention import ATTN_IMPLEMENTATION, BatchLayout, PagedKVCache, PrefillSpan
 from trioserve.worker.sampler import RequestProcessors, Sampler, SamplingRow, token_logprobs
 from trioserve.worker.tensor_parallel import all_reduce_min, init_group, shard_model
@@ -85,6 +86,7 @@ class RunnerConfig:
     dtype: str = "float32"
     num_threads: int = 0  # torch intra-op threads on the CPU; 0: torch's default
     tensor_parallel: TensorParallel | None = None  # None: the whole model in this process
+    tokenizer: str | None = None  # the tokenizer folder structured output reads; None: ``model``'s
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +108,7 @@ class _Sequence:
     processors: RequestProcessors | None  # the sampler's state for its logits processors, if any
     # With prompt logprobs: the last computed prompt row's logits, until the token it predicts comes.
     pending_prompt_row: torch.Tensor | None = None
+    grammar: GrammarState | None = None  # structured output's matcher (output rank only)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +153,7 @@ class ModelRunner:
         kv_heads: int | None = None,
         output_rank: bool = True,
         num_threads: int = 0,
+        tokenizer: str | None = None,
     ) -> None:
         self.model = model
         self.num_threads = num_threads  # the configured intra-op count; 0: torch's default, untouched
@@ -174,6 +178,7 @@ class ModelRunner:
             self.device,
         )
         self.sampler = Sampler(self.device, self.vocab_size)
+        self.grammars = GrammarBook(tokenizer, self.vocab_size)  # structured output (worker/grammar.py)
         self.sequences: dict[str, _Sequence] = {}
         # The token id in every KV slot (block * block_size + offset), for the histories above.
         self.slot_tokens = torch.zeros(num_blocks * block_size, dtype=torch.long, device=self.device)
@@ -212,6 +217,7 @@ class ModelRunner:
             kv_heads=kv_heads,
             output_rank=tp is None or tp.rank == 0,
             num_threads=config.num_threads,
+            tokenizer=config.tokenizer or config.model,
         )
         runner.load_seconds = time.perf_counter() - started
         log.info(
@@ -251,13 +257,18 @@ class ModelRunner:
             old = self.sequences.get(new.request_id)
             if old is not None and old.processors is not None:  # never expected; never leak a slot
                 self.sampler.release(old.processors)
+            # Sampler and grammar state live where sampling happens: the output rank only.
             self.sequences[new.request_id] = _Sequence(
                 list(new.block_ids),
                 s,
                 new.num_prompt_tokens,
                 tuple(stop_ids),
-                # Sampler state lives where sampling happens: the output rank only.
                 self.sampler.processors(s, new.num_prompt_tokens) if self.output_rank else None,
+                grammar=(
+                    self.grammars.state(s.grammar, new.eos_token_id)
+                    if s.grammar is not None and self.output_rank
+                    else None
+                ),
             )
             scheduled.append(_Scheduled(new.request_id, new.token_ids, new.num_computed_tokens, new.samples))
         for running in step.running_requests:
@@ -272,6 +283,7 @@ class ModelRunner:
         count = self.num_threads if threads is None else threads
         with torch.inference_mode():
             self._record_history(scheduled)
+            self._advance_grammars(scheduled)
             return self._forward(step.step, scheduled, count, keep_logits)
 
     @staticmethod
@@ -378,6 +390,27 @@ class ModelRunner:
         if entries:
             self.sampler.record(entries)
 
+    def _advance_grammars(self, scheduled: list[_Scheduled]) -> None:
+        """Each constrained request's matcher takes in its outputs that are inputs of this step and
+        that it has not taken in yet (earlier ones of a resumed request from ``slot_tokens``)."""
+        bs = self.block_size
+        for item in scheduled:
+            seq = self.sequences[item.request_id]
+            g = seq.grammar
+            if g is None:
+                continue
+            first = seq.num_prompt_tokens + g.accepted  # the first output position not taken in
+            end = item.start + len(item.token_ids)
+            if first >= end:
+                continue
+            tokens: list[int] = []
+            if first < item.start:
+                table = seq.block_ids
+                slots = [table[pos // bs] * bs + pos % bs for pos in range(first, item.start)]
+                tokens = self.slot_tokens[slots].tolist()
+            tokens += item.token_ids[max(0, first - item.start) :]
+            g.take(tokens)
+
     def _forward(self, step: int, scheduled: list[_Scheduled], count: int, keep_logits: bool) -> StepResult:
         dev = self.device
         input_ids: list[int] = []
@@ -386,6 +419,7 @@ class ModelRunner:
         sample_at: list[int] = []  # each sampling row's place in ``keep``
         sampling: list[SamplingRow] = []
         sample_ids: list[str] = []
+        constrained: list[tuple[int, GrammarState]] = []  # (sampling row, its grammar)
         prompt_spans: list[tuple[_Scheduled, int, int]] = []  # (item, place in keep, rows)
         for item in scheduled:
             n = len(item.token_ids)
@@ -400,6 +434,8 @@ class ModelRunner:
                     prompt_spans.append((item, len(keep), rows))
                     keep += range(row, row + rows)
             if item.samples:
+                if seq.grammar is not None:
+                    constrained.append((len(sampling), seq.grammar))
                 sample_at.append(len(keep))
                 keep.append(row + n - 1)
                 sample_ids.append(item.request_id)
@@ -413,6 +449,8 @@ class ModelRunner:
         position_ids = torch.tensor([positions], device=dev)
         # The other tensor-parallel ranks run no LM head: only the output rank samples.
         keep_rows = torch.tensor(keep if self.output_rank else [], dtype=torch.long, device=dev)
+        # The masks are filled on their own thread while the forward runs (worker/grammar.py).
+        masks = self.grammars.start([g for _, g in constrained]) if constrained else None
         self.last_seconds, logits = self._timed_model(ids, position_ids, keep_rows, layout, count)
         if not keep or not self.output_rank:
             return StepResult(step, {})
@@ -433,6 +471,8 @@ class ModelRunner:
             return StepResult(step, {}, None, prompt_logprobs)
         if len(sample_at) < len(keep):
             logits = logits[torch.tensor(sample_at, device=dev)]
+        if masks is not None:
+            add_bias(logits, masks.result(), [i for i, _ in constrained])
         tokens, found = self.sampler.sample_with_logprobs(logits, sampling)
         sampled = {rid: [token] for rid, token in zip(sample_ids, tokens, strict=True)}
         logprobs = {sample_ids[i]: [lp] for i, lp in found.items()} if found else None

@@ -77,7 +77,7 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     presence_penalty: float | None = None  # -2..2
     frequency_penalty: float | None = None  # -2..2
     logit_bias: dict[TokenId, float] | None = None  # JSON keys are token ids written as strings
-    # Not supported yet: accepted at their neutral value only (validate.UNSUPPORTED_FIELDS).
+    # Structured output (frontend/request/structured.py reads these four groups; at most one is set)
     response_format: dict[str, Any] | None = None
     # vLLM extensions
     stop_token_ids: list[TokenId] | None = None
@@ -95,10 +95,13 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     min_p: float | None = None  # 0..1
     bad_words: list[str] | None = None  # tokenized in the API server, as vLLM does
     allowed_token_ids: list[TokenId] | None = None  # only these may be sampled
-    # vLLM extensions, not supported yet
     prompt_logprobs: Count | None = None
-    guided_json: str | dict[str, Any] | None = None
+    # vLLM's structured output, and its older guided_* names
     structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):

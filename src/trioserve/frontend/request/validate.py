@@ -100,13 +100,6 @@ UNSUPPORTED_FIELDS: dict[str, Unsupported] = {
         "an empty suffix adds nothing after the completion",
         "; vLLM refuses it too (fill-in-the-middle: send the model's own FIM tokens in `prompt`)",
     ),
-    "response_format": Unsupported(
-        'null or {"type": "text"}',
-        lambda v, _: v is None or v == {"type": "text"},
-        "plain text is OpenAI's default format and what the server produces",
-    ),
-    "guided_json": Unsupported("null", _none, "any schema constrains the output"),
-    "structured_outputs": Unsupported("null", _none, "any value constrains the output"),
     "tools": Unsupported("null or []", _empty, "no tools offered: the model answers in text"),
     "tool_choice": Unsupported(
         'null or "none"',

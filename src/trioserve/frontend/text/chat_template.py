@@ -25,14 +25,14 @@ Rules:
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Final, cast
 
 import jinja2
 from transformers.utils import chat_template_utils
+
+from trioserve.frontend.compiled_cache import CompiledCache
 
 __all__ = [
     "ChatTemplate",
@@ -139,32 +139,8 @@ def read_chat_template(value: str) -> str:
         raise ValueError(f"{value}: {_one_line(exc)}") from None
 
 
-class ChatTemplateCache:
+class ChatTemplateCache(CompiledCache[str, ChatTemplate]):
     """Compiled request templates by their text: the ``size`` most recently used."""
 
     def __init__(self, size: int = 16) -> None:
-        self._size = size
-        self._lock = threading.Lock()  # renderer threads share it
-        self._compiled: OrderedDict[str, ChatTemplate] = OrderedDict()
-        self.compiles = 0  # how many compilations it took (tests read it)
-
-    def get(self, source: str) -> ChatTemplate:
-        with self._lock:
-            template = self._compiled.get(source)
-            if template is not None:
-                self._compiled.move_to_end(source)
-                return template
-        # Compiled outside the lock: a slow compile holds up no other thread. Two threads may compile
-        # the same text at once; both results are the same template.
-        template = compile_chat_template(source)
-        with self._lock:
-            self.compiles += 1
-            if len(source) <= MAX_CACHED_CHARS:
-                self._compiled[source] = template
-                self._compiled.move_to_end(source)
-                while len(self._compiled) > self._size:
-                    self._compiled.popitem(last=False)
-        return template
-
-    def __len__(self) -> int:
-        return len(self._compiled)
+        super().__init__(compile_chat_template, size, MAX_CACHED_CHARS, len)

