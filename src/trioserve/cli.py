@@ -18,7 +18,7 @@ import sys
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, get_args
 
 import msgspec
 
@@ -36,6 +36,7 @@ from trioserve.config import (
     ServeConfig,
     StreamsConfig,
     SupervisorConfig,
+    ToolCallParserName,
     WorkerConfig,
     decode_engine_process,
     override,
@@ -198,6 +199,19 @@ def _frontend_flags(p: argparse.ArgumentParser) -> None:
         "accept a request's own `chat_template` (vLLM's flag; off: such a request is a 400). A "
         "template runs sandboxed, but it may loop for as long as it likes on a renderer thread",
         action="store_true",
+    )
+    g.add(
+        "--enable-auto-tool-choice",
+        "enable_auto_tool_choice",
+        'accept tool_choice "auto" (the default with tools): the model decides, and --tool-call-parser '
+        "reads its calls (vLLM's flag)",
+        action="store_true",
+    )
+    g.add(
+        "--tool-call-parser",
+        "tool_call_parser",
+        "the model's tool-call format: hermes (Qwen, Hermes) or llama3_json",
+        choices=list(get_args(ToolCallParserName)),
     )
     g = _Group(StreamsConfig, p)
     g.add("--output-queue-size", "output_queue_size", "engine steps", type=int)
@@ -704,6 +718,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         config: ServeConfig = _fail(parser, lambda: serve_config(ns, os.environ))
         if config.engine.kind == "external" and not config.engine.handshake_address:
             parser.error("--engine external needs --handshake-address")
+        if (
+            config.frontend.request.enable_auto_tool_choice
+            and config.frontend.request.tool_call_parser is None
+        ):
+            parser.error("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
         _fail(parser, lambda: check_tensor_parallel(config.engine.kind, config.model, config.worker))
         from trioserve.launch.serve import run_serve
 

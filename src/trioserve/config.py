@@ -27,6 +27,7 @@ OutputQueuePolicy = Literal["coalesce", "block", "unbounded"]
 PolicyKind = Literal["merge", "queue", "stall", "abort-slow-client"]
 DispatchPolicyName = Literal["dplb", "round-robin", "prefix", "least-outstanding-bytes"]
 LogLevel = Literal["debug", "info", "warning", "error"]
+ToolCallParserName = Literal["hermes", "llama3_json"]  # frontend/output/tool_parsers.py
 
 S = TypeVar("S", bound=msgspec.Struct)
 
@@ -103,6 +104,9 @@ class RequestConfig(_Section, frozen=True):
     # The chat template in place of the model's (the text: cli.py reads a file the flag names).
     chat_template: str | None = None
     trust_request_chat_template: bool = False  # a request's own `chat_template` is refused unless set
+    # Tool calling (docs/tool_calling.md): tool_choice "auto" needs both, as in vLLM.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: ToolCallParserName | None = None
 
 
 class StreamPolicy(msgspec.Struct, frozen=True):

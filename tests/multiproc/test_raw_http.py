@@ -465,7 +465,7 @@ async def test_curl_no_buffer(server: ServerProcess) -> None:
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [
-        (CHAT, {**M, "tool_choice": "auto"}, "tool_choice"),
+        (CHAT, {**M, "store": True}, "store"),
         (CHAT, {**M, "min_p": 2}, "min_p"),
         (CHAT, {**M, "foo": 1}, "foo"),
         (CHAT, {"messages": [{"role": "user"}]}, "messages[0].content"),

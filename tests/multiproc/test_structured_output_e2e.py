@@ -153,3 +153,24 @@ async def test_a_length_finish_is_reported_and_a_bad_schema_is_a_400(client: ope
                 },
             )
     assert "objekt" in json.dumps(info.value.body)
+
+
+async def test_tool_choice_required_on_the_embedded_model(client: openai.AsyncOpenAI) -> None:
+    """SmolLM2's template shows no tools (it has no ``tools`` block, as vLLM would render it too); the
+    grammar still makes the answer a valid call."""
+    params = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 30}},
+        "required": ["city"],
+    }
+    tools: list[Any] = [{"type": "function", "function": {"name": "get_weather", "parameters": params}}]
+    question: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
+    with trio.fail_after(TIMEOUT):
+        response = await client.chat.completions.create(
+            model="", messages=question, tools=tools, tool_choice="required", max_tokens=80, temperature=0
+        )
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    calls = choice.message.tool_calls or []
+    assert [c.function.name for c in calls] == ["get_weather"]  # type: ignore[union-attr]
+    assert isinstance(json.loads(calls[0].function.arguments)["city"], str)  # type: ignore[union-attr]

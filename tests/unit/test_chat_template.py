@@ -5,6 +5,7 @@ the string, and one that does not compile is exit code 2 with one line."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -175,3 +176,66 @@ def test_a_chat_template_that_does_not_compile_exits_2_with_one_line(
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "argument --chat-template: the chat template does not compile" in err
+
+
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+TOOL_CONVERSATION: list[dict[str, Any]] = [
+    {"role": "system", "content": "Be terse."},
+    USER,
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "c1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            },
+            {
+                "id": "c2",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Lyon"}'},
+            },
+        ],
+    },
+    {"role": "tool", "tool_call_id": "c1", "content": "21"},
+    {"role": "tool", "tool_call_id": "c2", "content": "19"},
+]
+
+
+@pytest.mark.parametrize("source", ["model", "probe"])
+def test_tools_and_tool_turns_agree_with_transformers(qwen3_tokenizer: Tokenizer, source: str) -> None:
+    """The request's tools reach the template as ``tools``, as transformers passes them."""
+    template = None if source == "model" else compile_chat_template(PROBE)
+    ours = qwen3_tokenizer.render_chat_template(TOOL_CONVERSATION, True, template=template, tools=[TOOL])
+    theirs = qwen3_tokenizer.hf_tokenizer.apply_chat_template(
+        TOOL_CONVERSATION,
+        tools=[TOOL],
+        chat_template=None if template is None else PROBE,
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    assert ours == theirs
+
+
+def test_the_qwen3_template_renders_tools_in_qwen3s_format(qwen3_tokenizer: Tokenizer) -> None:
+    text = qwen3_tokenizer.render_chat_template(TOOL_CONVERSATION, True, tools=[TOOL])
+    assert text.startswith("<|im_start|>system\nBe terse.\n\n# Tools\n")
+    assert "<tools>\n" + json.dumps(TOOL) + "\n</tools>" in text
+    assert (
+        "<|im_start|>assistant\n"
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lyon"}}\n</tool_call><|im_end|>\n'
+    ) in text
+    assert (
+        "<|im_start|>user\n<tool_response>\n21\n</tool_response>\n<tool_response>\n19\n</tool_response><|im_end|>\n"
+    ) in text
+    assert text.count("Be terse.") == 1 and text.endswith("<|im_start|>assistant\n")
+    plain = qwen3_tokenizer.render_chat_template([USER], True)
+    assert "# Tools" not in plain  # no tools: the template as it was

@@ -200,7 +200,7 @@ def test_text_parts_reach_a_string_template_as_one_string() -> None:
         ([{"role": "user", "content": [{"text": "x"}]}], r"content\[0\] must be an object"),
         ([{"role": "user", "content": [{"type": "text", "text": 1}]}], r"content\[0\]\.text"),
         ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "only text parts"),
-        ([{"role": "tool", "content": "42"}], "unsupported role"),
+        ([{"role": "ipython", "content": "42"}], "unsupported role"),
     ],
 )
 def test_chat_template_rejects_malformed(qwen3_tokenizer: Tokenizer, messages: Any, error: str) -> None:

@@ -90,6 +90,8 @@ _MESSAGES = {
     "messages[].content[].type": "trioserve.frontend.serving:message_dicts",
     "messages[].content[].text": "trioserve.frontend.serving:message_dicts",
     "messages[].name": "trioserve.frontend.serving:message_dicts",
+    "messages[].tool_calls": "trioserve.frontend.serving:message_dicts",
+    "messages[].tool_call_id": "trioserve.frontend.serving:message_dicts",
 }
 EFFECTS: dict[type, dict[str, str]] = {
     ChatCompletionRequest: {
@@ -103,6 +105,9 @@ EFFECTS: dict[type, dict[str, str]] = {
         "truncate_prompt_tokens": "trioserve.frontend.serving:Serving._chat_prompt",
         "logprobs": "trioserve.frontend.request.validate:logprobs_count",
         "top_logprobs": "trioserve.frontend.request.validate:logprobs_count",
+        "tools": "trioserve.frontend.request.tools:tools_plan",
+        "tool_choice": "trioserve.frontend.request.tools:tools_plan",
+        "parallel_tool_calls": "trioserve.frontend.request.tools:tools_plan",
     },
     CompletionRequest: {
         **_SAMPLING,
@@ -231,8 +236,6 @@ def completion(**fields: Any) -> dict[str, Any]:
 UNSUPPORTED_CASES: list[tuple[str, str, dict[str, Any], list[dict[str, Any]]]] = [
     ("best_of", "completion", completion(best_of=2), [completion(best_of=1), completion(best_of=2, n=2)]),
     ("suffix", "completion", completion(suffix="!"), [completion(suffix=""), completion(suffix=None)]),
-    ("tools", "chat", chat(tools=[{"type": "function", "function": {"name": "f"}}]), [chat(tools=[])]),
-    ("tool_choice", "chat", chat(tool_choice="auto"), [chat(tool_choice="none")]),
     ("store", "chat", chat(store=True), [chat(store=False)]),
     (
         "service_tier",
@@ -245,18 +248,6 @@ UNSUPPORTED_CASES: list[tuple[str, str, dict[str, Any], list[dict[str, Any]]]] =
         "completion",
         completion(stream=True, stream_options={"include_obfuscation": True}),
         [completion(stream=True, stream_options={"include_obfuscation": False})],
-    ),
-    (
-        "messages[1].tool_calls",
-        "chat",
-        chat(messages=[USER, {"role": "assistant", "content": "", "tool_calls": [{"id": "c"}]}, USER]),
-        [chat(messages=[USER, {"role": "assistant", "content": "ok", "tool_calls": []}, USER])],
-    ),
-    (
-        "messages[1].tool_call_id",
-        "chat",
-        chat(messages=[USER, {"role": "tool", "content": "42", "tool_call_id": "c"}]),
-        [chat(messages=[{**USER, "tool_call_id": None}])],
     ),
     *[
         (
@@ -314,7 +305,6 @@ def test_informational_fields_are_accepted_at_any_value() -> None:
             user="u-1",
             safety_identifier="s",
             metadata={"k": "v"},
-            parallel_tool_calls=False,
             prompt_cache_key="k",
         )
     )
@@ -323,7 +313,6 @@ def test_informational_fields_are_accepted_at_any_value() -> None:
         "user",
         "safety_identifier",
         "metadata",
-        "parallel_tool_calls",
         "prompt_cache_key",
     }
     # OpenAI's bounds on metadata: 16 pairs, 64-character keys, 512-character values.
@@ -480,9 +469,15 @@ def test_a_message_without_content_is_refused(messages: list[dict[str, Any]]) ->
 
 
 def test_assistant_without_content_but_with_tool_calls_meets_the_content_rule() -> None:
-    # OpenAI accepts it; here it is refused for its tool_calls (not supported yet), not for content.
+    # OpenAI accepts it; a malformed call is refused for its shape, never for the missing content.
     message = {"role": "assistant", "tool_calls": [{"id": "c", "type": "function"}]}
-    assert refused(chat(messages=[USER, message, USER])).param == "messages[1].tool_calls"
+    assert refused(chat(messages=[USER, message, USER])).param == "messages[1].tool_calls[0]"
+    good = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    req = decode_body(
+        msgspec.json.encode(chat(messages=[USER, {"role": "assistant", "tool_calls": [good]}])),
+        ChatCompletionRequest,
+    )
+    assert message_dicts(req.messages)[1] == {"role": "assistant", "content": None, "tool_calls": [good]}
 
 
 def test_empty_string_content_is_content() -> None:

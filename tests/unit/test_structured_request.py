@@ -18,6 +18,7 @@ from trioserve.frontend.request.structured import (
     GrammarSource,
     checked_grammar,
     grammar_source,
+    refuse_beside_grammar,
 )
 from trioserve.protocol.messages import MAX_GRAMMAR_BYTES
 
@@ -37,6 +38,7 @@ def refused(req: ChatCompletionRequest | CompletionRequest) -> ApiError:
     with pytest.raises(ApiError) as info:
         source = grammar_source(req)
         assert source is not None
+        refuse_beside_grammar(req, source)
         checked_grammar(GrammarCache(), source)
     assert info.value.status == 400
     return info.value

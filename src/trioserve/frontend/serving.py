@@ -28,12 +28,19 @@ from trioserve.frontend.output.chunks import ChunkEncoder, Kind
 from trioserve.frontend.output.logprobs import LogprobsFormat, TokenStrings
 from trioserve.frontend.output.output_handler import ChoiceState, OutputHandler
 from trioserve.frontend.output.responses import CollectingResponse, Response, ResponseSink, StreamingResponse
+from trioserve.frontend.output.tool_calls import ToolChunkEncoder
 from trioserve.frontend.replica_slots import ReplicaSlots
 from trioserve.frontend.request.admission import Admission, Ticket
 from trioserve.frontend.request.errors import ApiError
 from trioserve.frontend.request.openai_schema import ChatCompletionRequest, ChatMessage, CompletionRequest
 from trioserve.frontend.request.renderer import RendererPool
-from trioserve.frontend.request.structured import GrammarCache, checked_grammar, grammar_source
+from trioserve.frontend.request.structured import (
+    GrammarCache,
+    checked_grammar,
+    grammar_source,
+    refuse_beside_grammar,
+)
+from trioserve.frontend.request.tools import ToolsPlan, tool_calls_of, tools_plan
 from trioserve.frontend.request.validate import (
     MAX_CHOICES,
     bad_words_token_ids,
@@ -64,8 +71,8 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """The messages as the chat template sees them (``name`` only where the client gave one).
 
     OpenAI's content rule: every message needs content, except an assistant message that has
-    ``tool_calls``. Tool calls are refused for now, so in practice every message needs it. No content
-    is a missing or null ``content`` or an empty list of parts; an empty string is content.
+    ``tool_calls``. No content is a missing or null ``content`` or an empty list of parts; an empty
+    string is content. ``tool_calls`` and ``tool_call_id`` reach the template as they came, checked.
     """
     if not messages:
         raise ApiError(400, "messages must contain at least one message", param="messages")
@@ -91,6 +98,10 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         }
         if m.name is not None:
             message["name"] = m.name
+        if m.tool_calls:
+            message["tool_calls"] = tool_calls_of(m.tool_calls, i)
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
         out.append(message)
     return out
 
@@ -161,6 +172,7 @@ class Serving:
         *,
         template: ChatTemplate | None = None,
         continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """The tokenizer's ``apply_chat_template`` with the server's template (``--chat-template``)
         unless ``template`` is given: every route that renders messages renders them the same way."""
@@ -170,9 +182,10 @@ class Serving:
             chat_template_kwargs,
             template=template or self.chat_template,
             continue_final_message=continue_final_message,
+            tools=tools,
         )
 
-    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+    def _chat_prompt(self, req: ChatCompletionRequest, plan: ToolsPlan | None = None) -> list[int]:
         messages = message_dicts(req.messages)
         template = None
         if req.chat_template is not None:  # validate refused it unless --trust-request-chat-template
@@ -187,6 +200,7 @@ class Serving:
                 req.chat_template_kwargs,
                 template=template,
                 continue_final_message=bool(req.continue_final_message),
+                tools=None if plan is None else plan.tools,
             )
         except TemplateRenderError as exc:
             if template is None:
@@ -304,7 +318,18 @@ class Serving:
         else:
             req = decode_body(body, CompletionRequest)
         options = output_options(req, self.model, self.request)
+        plan = tools_plan(req, self.request) if isinstance(req, ChatCompletionRequest) else None
         source = grammar_source(req)
+        if plan is not None and plan.grammar is not None:
+            if source is not None:
+                raise ApiError(
+                    400,
+                    f"tool_choice {plan.mode!r} cannot be combined with `{source.param}`",
+                    param=source.param,
+                )
+            source = plan.grammar
+        if source is not None:
+            refuse_beside_grammar(req, source)
         grammar = None
         if source is not None:  # checked before rendering: a bad schema costs no tokenizing
             grammar = self.grammars.cached(source) or await self.render(
@@ -312,7 +337,7 @@ class Serving:
             )
         prompts: list[list[int]]
         if isinstance(req, ChatCompletionRequest):
-            prompts = [await self.render(self._chat_prompt, req)]
+            prompts = [await self.render(self._chat_prompt, req, plan)]
         else:
             prompts = await self.render(self._completion_prompts, req)
             if len(prompts) > 1:
@@ -331,9 +356,17 @@ class Serving:
         prefix: Literal["chatcmpl-", "cmpl-"] = "chatcmpl-" if kind == "chat" else "cmpl-"
         response_id = f"{prefix}{request_id or self.new_request_id()}"
         continuous = sum(len(p) for p in prompts) if options.continuous_usage else None
-        encoder = ChunkEncoder(
-            kind, response_id, int(arrival), options.model, options.return_token_ids, continuous
-        )
+        tool_format = None if plan is None else plan.output_format()
+        encoder: ChunkEncoder
+        if tool_format is not None and options.stream:
+            encoder = ToolChunkEncoder(
+                kind, response_id, int(arrival), options.model, options.return_token_ids, continuous,
+                tool_format, options.n,
+            )  # fmt: skip
+        else:
+            encoder = ChunkEncoder(
+                kind, response_id, int(arrival), options.model, options.return_token_ids, continuous
+            )
         built = (sink, encoder, options, prompts[0], params, req.priority, ticket, self._on_done)
         # logprobs: rendered from the tokenizer's own bytes per token (frontend/output/logprobs.py)
         lp = (
@@ -350,6 +383,7 @@ class Serving:
             response = StreamingResponse(*built, policy=policy, stalled=stalled, prompts=prompts, logprobs=lp)
         if req.timeout_ms:
             response.timeout_s = req.timeout_ms / 1000
+        response.tool_format = tool_format
         return response
 
     def _place(self, response: Response, nbytes: int) -> None:

@@ -7,7 +7,7 @@ about a microsecond, against several for building and dumping an object per chun
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -125,7 +125,7 @@ class Choice(msgspec.Struct, omit_defaults=True):
     index: int
     finish_reason: str | None
     stop_reason: int | str | None = None
-    message: dict[str, str] | None = None
+    message: dict[str, Any] | None = None
     text: str | None = None
     logprobs: msgspec.Raw | None = None  # the JSON ``logprobs.py`` renders; omitted when not asked
     token_ids: list[int] | None = None

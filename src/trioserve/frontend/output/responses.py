@@ -20,13 +20,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 
 from trioserve.config import StreamPolicy
 from trioserve.frontend.output.chunks import Choice, ChunkEncoder, full_body
 from trioserve.frontend.output.logprobs import LogprobsFormat
+from trioserve.frontend.output.tool_calls import ToolFormat, tool_message
 from trioserve.frontend.replica_slots import Reservation
 from trioserve.frontend.request.admission import Ticket
 from trioserve.frontend.request.errors import ApiError
@@ -104,6 +105,9 @@ class Response(ABC):
         self.priority = priority
         self.timeout_s: float | None = None  # the request's own deadline without output (timeout_ms)
         self.reservation: Reservation | None = None  # least-outstanding-bytes: its replica's slot
+        # A chat request whose tools may produce calls: how its text becomes tool calls (streams get a
+        # ToolChunkEncoder built from it as their encoder; full responses read it in _body).
+        self.tool_format: ToolFormat | None = None
         self.ticket = ticket
         self.completion_tokens = 0
         self.first_token_time = 0.0  # wall clock of the first token of any choice; 0 before it
@@ -400,12 +404,16 @@ class CollectingResponse(Response):
             text = "".join(self._texts[i])
             lp = self._prompt_logprobs[i]
             finish, stop_reason = self._finish_reasons[i]
+            message: dict[str, Any] | None = {"role": "assistant", "content": text} if chat else None
+            if chat and self.tool_format is not None:
+                message, made_call = tool_message(text, self.tool_format)
+                finish = self.tool_format.finish_reason(finish, made_call)
             choices.append(
                 Choice(
                     index=i,
                     finish_reason=finish,
                     stop_reason=stop_reason,
-                    message={"role": "assistant", "content": text} if chat else None,
+                    message=message,
                     text=None if chat else text,
                     token_ids=self._ids[i] if keep_ids else None,
                     logprobs=None if self.logprobs is None else msgspec.Raw(self._take_logprobs(i)),

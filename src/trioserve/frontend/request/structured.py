@@ -191,7 +191,11 @@ def grammar_source(req: _Sampling) -> GrammarSource | None:
     if len(found) > 1:
         names = " and ".join(f"`{s.param}`" for s in found)
         raise ApiError(400, f"a request takes one output constraint, got {names}", param=found[1].param)
-    source = found[0]
+    return found[0]
+
+
+def refuse_beside_grammar(req: _Sampling, source: GrammarSource) -> None:
+    """The 400 for what a grammar cannot be combined with (the module's last rule)."""
     for name, bad in (("ignore_eos", req.ignore_eos), ("min_tokens", req.min_tokens > 0)):
         if bad:
             raise ApiError(
@@ -200,7 +204,6 @@ def grammar_source(req: _Sampling) -> GrammarSource | None:
                 "complete",
                 param=name,
             )
-    return source
 
 
 class GrammarError(ValueError):

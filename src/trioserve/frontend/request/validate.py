@@ -57,8 +57,6 @@ INFORMATIONAL_FIELDS: dict[str, str] = {
     "safety_identifier": "OpenAI's successor to `user`, for the same monitoring; no output depends on it",
     "metadata": "tags for completions that OpenAI stores (`store`, refused here unless false); no output "
     "depends on them",
-    "parallel_tool_calls": "only shapes tool calls, and a request with tools is refused, so nothing that "
-    "gets through can make one",
     "prompt_cache_key": "a hint for how OpenAI routes requests to its prompt caches; no output depends on "
     "it (the prefix cache here finds shared prefixes by their tokens)",
 }
@@ -100,12 +98,6 @@ UNSUPPORTED_FIELDS: dict[str, Unsupported] = {
         "an empty suffix adds nothing after the completion",
         "; vLLM refuses it too (fill-in-the-middle: send the model's own FIM tokens in `prompt`)",
     ),
-    "tools": Unsupported("null or []", _empty, "no tools offered: the model answers in text"),
-    "tool_choice": Unsupported(
-        'null or "none"',
-        lambda v, _: v is None or v == "none",
-        '"none" is what a request without tools gets; "auto" and "required" ask for tool calls',
-    ),
     "store": Unsupported("null or false", _false, "nothing is stored"),
     "service_tier": Unsupported(
         'null, "auto" or "default"',
@@ -115,8 +107,6 @@ UNSUPPORTED_FIELDS: dict[str, Unsupported] = {
     "stream_options.include_obfuscation": Unsupported(
         "null or false", _false, "the server's chunks carry no obfuscation padding"
     ),
-    "messages[].tool_calls": Unsupported("null or []", _empty, "an assistant turn with no tool calls"),
-    "messages[].tool_call_id": Unsupported("null", _none, "a message that answers no tool call"),
     "messages[].refusal": Unsupported("null", _none, "an assistant turn that refused nothing"),
     "messages[].annotations": Unsupported("null or []", _empty, "an assistant turn that cites nothing"),
     "messages[].audio": Unsupported("null", _none, "an assistant turn without audio"),

@@ -65,7 +65,7 @@ QWEN3_ADDED_TOKENS: Final[tuple[tuple[str, bool], ...]] = (
 )
 
 # Bump when the cached folder's contents would change; a cache with another stamp is rebuilt.
-_BUILD_STAMP: Final = "trioserve-qwen3-tokenizer/1"
+_BUILD_STAMP: Final = "trioserve-qwen3-tokenizer/2"  # 2: the template renders tools
 
 # Names chat_template_kwargs may not set: transformers' apply_chat_template arguments (which steer
 # rendering rather than the template; vLLM passes the kwargs there) and the variables set from the
@@ -86,6 +86,7 @@ _RESERVED_TEMPLATE_KWARGS: Final = frozenset(
         "return_dict",
         "return_assistant_tokens_mask",
         "tokenizer_kwargs",
+        "tools",
     }
 )
 
@@ -173,6 +174,7 @@ class Tokenizer:
         *,
         template: ChatTemplate | None = None,
         continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Render the conversation with ``template`` (None: the tokenizer's own) and encode it.
 
@@ -185,6 +187,7 @@ class Tokenizer:
             chat_template_kwargs,
             template=template,
             continue_final_message=continue_final_message,
+            tools=tools,
         )
         return self.encode(rendered, add_special_tokens=False)
 
@@ -196,8 +199,10 @@ class Tokenizer:
         *,
         template: ChatTemplate | None = None,
         continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """The prompt text ``apply_chat_template`` encodes (``chat_template.py`` states the rules)."""
+        """The prompt text ``apply_chat_template`` encodes (``chat_template.py`` states the rules);
+        ``tools``: the request's, as the template's ``tools`` variable."""
         messages = _text_messages(messages)
         extra = dict(chat_template_kwargs or {})
         reserved = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(extra))
@@ -211,7 +216,7 @@ class Tokenizer:
             messages,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
-            variables={**self._special_tokens, **extra},
+            variables={**self._special_tokens, **extra, "tools": tools},
         )
 
     def _own_template(self) -> ChatTemplate:
