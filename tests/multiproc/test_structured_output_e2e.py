@@ -8,8 +8,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from typing import Any, Literal
 
 import openai
@@ -19,12 +17,10 @@ import trio
 
 from trioserve.models.embedded_model import INSTALL_COMMAND
 
-from ._support import sdk_client
-from .conftest import ServerProcess
+from .test_embedded_model_api import client, server
 from .test_embedded_model_convert import converted
-from .test_model_engine import running_model_server
 
-__all__ = ["converted"]
+__all__ = ["client", "converted", "server"]  # fixtures: the embedded model's server, one per module
 
 pytestmark = [
     pytest.mark.multiproc,
@@ -46,23 +42,6 @@ class City(pydantic.BaseModel):
 
 
 ASK: list[Any] = [{"role": "user", "content": "Describe Paris as JSON."}]
-
-
-@pytest.fixture(scope="module")
-def server(
-    converted: tuple[Path, list[str]], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ServerProcess]:
-    folder, _ = converted
-    with running_model_server(
-        folder, tmp_path_factory.mktemp("logs"), "structured", "--max-model-len", "512", timeout=TIMEOUT
-    ) as server:
-        yield server
-
-
-@pytest.fixture
-async def client(server: ServerProcess) -> AsyncIterator[openai.AsyncOpenAI]:
-    async with sdk_client(server.url, timeout=TIMEOUT) as sdk:
-        yield sdk
 
 
 async def test_the_sdk_parses_a_pydantic_model(client: openai.AsyncOpenAI) -> None:

@@ -159,3 +159,25 @@ def test_single_keeps_the_first_call_and_named_finishes_with_stop() -> None:
     assert nfmt is not None
     assert nfmt.finish_reason("stop", True) == "stop" and fmt.finish_reason("stop", True) == "tool_calls"
     assert fmt.finish_reason("length", True) == "length" and fmt.finish_reason("stop", False) == "stop"
+
+
+def test_auto_streams_the_same_calls_and_content_as_the_full_message() -> None:
+    auto = plan(tools=TOOLS)
+    assert auto is not None
+    fmt = auto.output_format()
+    assert fmt is not None
+    text = 'Checking.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+    for size in (1, 3, 8, len(text)):
+        encoder = ToolChunkEncoder("chat", "chatcmpl-x", 1, "m", False, None, fmt, 1)
+        pieces = [text[i : i + size] for i in range(0, len(text), size)]
+        chunks = [
+            json.loads(encoder.delta(0, p, [0], "stop" if i == len(pieces) - 1 else None))["choices"][0]
+            for i, p in enumerate(pieces)
+        ]
+        content = "".join(c["delta"].get("content", "") for c in chunks)
+        calls = [t for c in chunks for t in c["delta"].get("tool_calls", [])]
+        assert content == "Checking." and chunks[-1]["finish_reason"] == "tool_calls"
+        assert calls[0]["function"]["name"] == "weather" and len({t["index"] for t in calls}) == 1
+        assert "".join(t["function"]["arguments"] for t in calls) == '{"city": "Paris"}'
+    message, made = tool_message(text, fmt)
+    assert made and message["content"] == "Checking."

@@ -56,7 +56,8 @@ class ToolOutput:
 
 
 class ToolParser(Protocol):
-    calls_made: int
+    @property
+    def calls_made(self) -> int: ...
 
     def feed(self, text: str) -> ToolOutput: ...
 
@@ -186,8 +187,9 @@ class NamedParser:
 
 
 class ForcedParser:
-    """``tool_choice: "required"``: ``[{"name": ..., "parameters": ...}, ...]`` (the grammar's shape;
-    separators and whitespace between objects are skipped)."""
+    """``tool_choice: "required"``: ``[{"name": ..., "parameters": ...}, ...]`` (the grammar's shape).
+    Also the calls part of ``llama3_json``: whatever lies between objects (``[``, ``,``, ``;``, ``]``,
+    whitespace) is skipped."""
 
     def __init__(self) -> None:
         self.calls_made = 0
@@ -199,7 +201,7 @@ class ForcedParser:
             if self._scanner is None:
                 at = text.find("{")
                 if at < 0:
-                    return out  # "[", ", ", "]" and whitespace
+                    return out
                 self._scanner = _ObjectScanner(self.calls_made)
                 self.calls_made += 1
                 text = text[at:]
@@ -293,56 +295,39 @@ class Llama3JsonParser:
     and an optional ``<|python_tag|>``), separated by ``;``; otherwise it is content."""
 
     def __init__(self) -> None:
-        self.calls_made = 0
         self._mode: Literal["undecided", "content", "calls"] = "undecided"
         self._pending = ""
-        self._scanner: _ObjectScanner | None = None
+        self._calls = ForcedParser()
+
+    @property
+    def calls_made(self) -> int:
+        return self._calls.calls_made
 
     def feed(self, text: str) -> ToolOutput:
-        out = ToolOutput()
         if self._mode == "undecided":
             text = self._pending + text
             head = text.lstrip()
             if head.startswith(_PYTHON_TAG):
                 head = head[len(_PYTHON_TAG) :].lstrip()
-            elif _PYTHON_TAG.startswith(head):
-                self._pending = text  # whitespace, or a python tag still arriving
-                return out
+            elif _PYTHON_TAG.startswith(head):  # whitespace, or a python tag still arriving
+                self._pending = text
+                return ToolOutput()
             if not head:
                 self._pending = text
-                return out
+                return ToolOutput()
             self._pending = ""
-            if head[0] != "{":
-                self._mode = "content"
-                out.content = text
-                return out
-            self._mode = "calls"
-            text = head
+            self._mode = "calls" if head[0] == "{" else "content"
+            if self._mode == "calls":
+                text = head
         if self._mode == "content":
-            out.content = text
-            return out
-        while text:
-            if self._scanner is None:
-                at = text.find("{")
-                if at < 0:
-                    return out  # ";" and whitespace between calls
-                self._scanner = _ObjectScanner(self.calls_made)
-                self.calls_made += 1
-                text = text[at:]
-            text = self._scanner.feed(text, out)
-            if self._scanner.done:
-                self._scanner = None
-        return out
+            return ToolOutput(content=text)
+        return self._calls.feed(text)
 
     def finish(self) -> ToolOutput:
-        out = ToolOutput()
         if self._mode == "undecided":
-            out.content = self._pending
-        elif self._scanner is not None:
-            out.errors += 1  # the text ended inside a call
-            self._scanner = None
-        self._pending = ""
-        return out
+            content, self._pending = self._pending, ""
+            return ToolOutput(content=content)
+        return self._calls.finish()
 
 
 def auto_parser(name: ParserName) -> ToolParser:
