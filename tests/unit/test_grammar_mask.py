@@ -101,3 +101,13 @@ def test_state_takes_tokens_once_and_fails_on_a_refused_one(byte_tokenizer: llgu
     assert state.failed and state.accepted == 3
     state.take([ord("b")])  # a failed state takes nothing more
     assert state.accepted == 3
+
+
+def test_a_worker_without_a_tokenizer_fails_the_request_not_itself() -> None:
+    from trioserve.worker.grammar import GrammarBook
+
+    book = GrammarBook(None, 300)
+    state = book.state(llguidance.grammar_from("regex", "a+"), eos=7)
+    assert state.failed
+    bias = book.start([state]).result()
+    assert torch.isneginf(bias[0]).sum() == 299 and bias[0, 7] == 0  # only its EOS

@@ -153,13 +153,22 @@ class GrammarBook:
         return lltok
 
     def state(self, grammar: str, eos: int | None) -> GrammarState:
-        """A new request's state: a copy of the grammar's pristine matcher (built on first use)."""
+        """A new request's state: a copy of the grammar's pristine matcher (built on first use). A
+        request is never the worker's failure: if the tokenizer view cannot be built here, the state
+        is failed (logged) and the request ends at EOS."""
         import llguidance
 
         key = (grammar, eos)
         pristine = self._pristine.get(key)
         if pristine is None:
-            pristine = llguidance.LLMatcher(self._tokenizer(eos), grammar, log_level=0)
+            try:
+                lltok = self._tokenizer(eos)
+            except Exception:
+                log.exception("structured output: no tokenizer view for the grammar; the request ends")
+                state = GrammarState(None, eos)
+                state.failed = True
+                return state
+            pristine = llguidance.LLMatcher(lltok, grammar, log_level=0)
             if pristine.is_error():  # the API server checked it; a tokenizer-specific failure is left
                 log.error("a grammar failed to build in the worker: %s", pristine.get_error())
             self._pristine[key] = pristine
