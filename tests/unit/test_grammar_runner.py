@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from typing import Any, Literal
 
 import pydantic
@@ -83,11 +84,12 @@ def run(qwen3: tuple[Tokenizer, GrammarBook, Any], kinds: list[str], plain: int,
     tokenizer, book, model = qwen3
     engine = engine_with(book, model, **limits)
     eos = tokenizer.eos_token_id
+    # Plain ones first: the scheduler preempts the newest, so the constrained ones are the victims.
+    for i in range(plain):
+        engine.add(f"plain-{i}", [400 + i, 500, 600 + i], 24, eos, temperature=1.0, seed=1000 + i)
     for i, kind in enumerate(kinds):
         prompt = [100 + i, 200 + 7 * i, 300]
         engine.add(f"{kind}-{i}", prompt, 96, eos, temperature=1.0, seed=i, grammar=GRAMMARS[kind])
-    for i in range(plain):
-        engine.add(f"plain-{i}", [400 + i, 500, 600 + i], 24, eos, temperature=1.0, seed=1000 + i)
     engine.run()
     return engine
 
@@ -126,6 +128,35 @@ def test_a_length_finish_is_a_prefix_the_grammar_accepts(qwen3: tuple[Tokenizer,
     )
     engine.run()
     assert engine.finish["short"] == "length" and len(engine.tokens["short"]) == 5
-    matcher = book.state(GRAMMARS["json"], tokenizer.eos_token_id).matcher  # a fresh one
+    fresh = book.state(GRAMMARS["json"], tokenizer.eos_token_id)
+    book.ready(fresh)
+    matcher = fresh.matcher
     assert matcher.consume_tokens(engine.tokens["short"]) and not matcher.is_error()
     assert tokenizer.decode(engine.tokens["short"]).startswith("{")
+
+
+def test_a_new_requests_matcher_is_built_beside_the_forward(
+    qwen3: tuple[Tokenizer, GrammarBook, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fresh request has no outputs to take in before its first forward, so its matcher is built on
+    the mask thread; a resumed one builds its own before the forward, on the step's thread."""
+    tokenizer, book, model = qwen3
+    builds: list[str] = []
+    ready = book.ready
+
+    def recorded(state: Any) -> None:
+        if state.grammar is not None:
+            builds.append(threading.current_thread().name)
+        ready(state)
+
+    monkeypatch.setattr(book, "ready", recorded)
+    engine = engine_with(book, model)
+    engine.add(
+        "fresh", [100, 200], 8, tokenizer.eos_token_id, temperature=1.0, seed=4, grammar=GRAMMARS["regex"]
+    )
+    engine.run()
+    assert builds and all(name.startswith("grammar-masks") for name in builds)
+    builds.clear()
+    tight = run(qwen3, KINDS, plain=2, num_blocks=28)
+    assert tight.preemptions > 0
+    assert "MainThread" in builds  # resumed requests with outputs, before their forward

@@ -26,7 +26,10 @@ logged and from then on allows only the EOS token, so the request ends rather th
 
 Costs: the llguidance view of the vocabulary is built once per worker and EOS id, on the first
 constrained request (0.34 s for the embedded model's 49,152 tokens here); a grammar's matcher is
-built once and kept by its text (``MATCHER_CACHE_SIZE``), each request starting from a copy.
+built once and kept by its text (``MATCHER_CACHE_SIZE``), each request starting from a copy. Both are
+built on the mask thread too, beside the forward of the request's first sampling step
+(``GrammarBook.ready`` there), unless the request has outputs to take in before that forward (a
+resumed one), which builds them on the step's own thread first.
 
 A bitmask row holds one bit per vocabulary entry, little-endian within 32-bit words (bit ``t % 32`` of
 word ``t // 32`` is token ``t``), 1 where the grammar allows the token: the layout xgrammar and
@@ -44,6 +47,7 @@ sound).
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -100,13 +104,15 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[in
 
 
 class GrammarState:
-    """One constrained request's matcher, and how many of its output tokens it has taken in."""
+    """One constrained request's matcher (None until ``GrammarBook.ready`` builds it from
+    ``grammar``), and how many of its output tokens it has taken in."""
 
-    __slots__ = ("accepted", "eos", "failed", "matcher")
+    __slots__ = ("accepted", "eos", "failed", "grammar", "matcher")
 
-    def __init__(self, matcher: Any, eos: int | None) -> None:
+    def __init__(self, matcher: Any, eos: int | None, grammar: str | None = None) -> None:
         self.matcher = matcher
         self.eos = eos
+        self.grammar = grammar  # to build, while matcher is None
         self.accepted = 0
         self.failed = False
 
@@ -137,6 +143,7 @@ class GrammarBook:
         self._pool: ThreadPoolExecutor | None = None
         self._executor: Any = None
         self._bitmask = torch.zeros((0, self.words), dtype=torch.int32)
+        self._lock = threading.Lock()
 
     def _tokenizer(self, eos: int | None) -> Any:
         lltok = self._tokenizers.get(eos)
@@ -153,32 +160,45 @@ class GrammarBook:
         return lltok
 
     def state(self, grammar: str, eos: int | None) -> GrammarState:
-        """A new request's state: a copy of the grammar's pristine matcher (built on first use). A
-        request is never the worker's failure: if the tokenizer view cannot be built here, the state
-        is failed (logged) and the request ends at EOS."""
+        """A new request's state, its matcher not built yet (``ready`` builds it)."""
+        return GrammarState(None, eos, grammar)
+
+    def ready(self, state: GrammarState) -> None:
+        """Give ``state`` its matcher: a copy of the grammar's pristine one (built on first use). A
+        request is never the worker's failure: if the tokenizer view cannot be built, the state is
+        failed (logged) and the request ends at EOS. Called on the step's thread or the mask thread,
+        never both at once (a step joins its masks before the next step starts); the lock says so."""
+        if state.grammar is None:
+            return
         import llguidance
 
-        key = (grammar, eos)
-        pristine = self._pristine.get(key)
-        if pristine is None:
-            try:
-                lltok = self._tokenizer(eos)
-            except Exception:
-                log.exception("structured output: no tokenizer view for the grammar; the request ends")
-                state = GrammarState(None, eos)
-                state.failed = True
-                return state
-            pristine = llguidance.LLMatcher(lltok, grammar, log_level=0)
-            if pristine.is_error():  # the API server checked it; a tokenizer-specific failure is left
-                log.error("a grammar failed to build in the worker: %s", pristine.get_error())
-            self._pristine[key] = pristine
-            while len(self._pristine) > MATCHER_CACHE_SIZE:
-                self._pristine.popitem(last=False)
-        else:
-            self._pristine.move_to_end(key)
-        state = GrammarState(pristine.deep_copy(), eos)
-        state.failed = pristine.is_error()
-        return state
+        with self._lock:
+            grammar, state.grammar = state.grammar, None
+            key = (grammar, state.eos)
+            pristine = self._pristine.get(key)
+            if pristine is None:
+                try:
+                    lltok = self._tokenizer(state.eos)
+                except Exception:
+                    log.exception("structured output: no tokenizer view for the grammar; the request ends")
+                    state.failed = True
+                    return
+                pristine = llguidance.LLMatcher(lltok, grammar, log_level=0)
+                if pristine.is_error():  # the API server checked it; a tokenizer-specific failure is left
+                    log.error("a grammar failed to build in the worker: %s", pristine.get_error())
+                self._pristine[key] = pristine
+                while len(self._pristine) > MATCHER_CACHE_SIZE:
+                    self._pristine.popitem(last=False)
+            else:
+                self._pristine.move_to_end(key)
+            state.matcher = pristine.deep_copy()
+            state.failed = pristine.is_error()
+
+    def take(self, state: GrammarState, tokens: Sequence[int]) -> None:
+        """``state`` takes in its next output tokens (its matcher built first, here, if need be)."""
+        if tokens:
+            self.ready(state)
+            state.take(tokens)
 
     def start(self, states: Sequence[GrammarState]) -> Future[torch.Tensor]:
         """Fill row ``i`` of a bitmask with ``states[i]``'s allowed next tokens and turn it into the
@@ -196,6 +216,8 @@ class GrammarBook:
         return self._pool.submit(self._fill, list(states), bitmask)
 
     def _fill(self, states: list[GrammarState], bitmask: torch.Tensor) -> torch.Tensor:
+        for s in states:
+            self.ready(s)  # a new request's matcher, built beside the forward
         live = [(s.matcher, i) for i, s in enumerate(states) if not s.failed]
         if live:
             self._executor.unsafe_compute_mask_ptr(live, bitmask.data_ptr(), self.words * 4, bitmask.shape[0])

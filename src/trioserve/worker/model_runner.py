@@ -409,7 +409,7 @@ class ModelRunner:
                 slots = [table[pos // bs] * bs + pos % bs for pos in range(first, item.start)]
                 tokens = self.slot_tokens[slots].tolist()
             tokens += item.token_ids[max(0, first - item.start) :]
-            g.take(tokens)
+            self.grammars.take(g, tokens)
 
     def _forward(self, step: int, scheduled: list[_Scheduled], count: int, keep_logits: bool) -> StepResult:
         dev = self.device
