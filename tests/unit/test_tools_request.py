@@ -111,10 +111,18 @@ def test_required_accepts_exactly_calls_of_the_tools(parallel: bool | None) -> N
             "tools[0].function",
             "unknown",
         ),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f", "strict": True}}],
+                "tool_choice": "auto",
+            },
+            "tools",
+            "strict",
+        ),
     ],
 )
 def test_refusals(fields: dict[str, Any], param: str, words: str) -> None:
-    limits = RequestConfig() if fields.get("tool_choice") in (None, "auto") else AUTO
+    limits = RequestConfig() if fields.get("tool_choice") is None or fields.get("tools") == TOOLS else AUTO
     error = refused(limits, **fields)
     assert error.param == param and words in error.message
 

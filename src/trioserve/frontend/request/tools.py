@@ -12,7 +12,9 @@
 - ``{"type": "function", "function": {"name": N}}``: a grammar makes the output N's arguments.
 
 ``parallel_tool_calls: false`` under ``"auto"`` keeps the first call the model makes and drops the rest
-(the grammar cannot hold the model to one there). Every shape problem is a 400 naming its path.
+(the grammar cannot hold the model to one there). A function's ``strict: true`` is what ``"required"``
+and a named function always do; under ``"auto"`` nothing can hold the model to it, so it is a 400
+there. Every shape problem is a 400 naming its path.
 """
 
 from __future__ import annotations
@@ -105,6 +107,14 @@ def tools_plan(req: ChatCompletionRequest, limits: RequestConfig) -> ToolsPlan |
                 '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
                 + ("" if choice else ' (it is the default with tools; send tool_choice "none" for text)'),
                 param="tool_choice",
+            )
+        strict = [f["name"] for f in functions if f.get("strict")]
+        if strict:  # the model writes its calls freely here: nothing could hold it to the schema
+            raise ApiError(
+                400,
+                f"strict function schemas ({', '.join(strict)}) are enforced only with tool_choice "
+                '"required" or a named function (under "auto" the model writes its calls freely)',
+                param="tools",
             )
         return ToolsPlan("auto", tools, None, parser=limits.tool_call_parser, single=single)
     if choice == "none":
