@@ -214,3 +214,17 @@ async def test_the_mock_engine_takes_constrained_requests_and_each_grammar_is_ch
     reply = await client.request(PATHS["chat"], chat_body(5, ignore_eos=False, guided_regex="a(b"))
     assert reply.status == 400 and reply.json()["error"]["param"] == "guided_regex"
     assert not stack.api.serving.active
+
+
+async def test_tokenize_renders_tools_as_a_chat_request_does(stack: Stack, autojump_clock: MockClock) -> None:
+    client = await stack.client()
+    messages = [{"role": "user", "content": "weather?"}]
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    plain = await client.request("/tokenize", {"messages": messages})
+    with_tools = await client.request("/tokenize", {"messages": messages, "tools": [tool]})
+    assert plain.status == with_tools.status == 200
+    ids = with_tools.json()["tokens"]
+    assert with_tools.json()["count"] > plain.json()["count"]
+    assert "get_weather" in stack.api.serving.tokenizer.decode(ids)  # the Qwen3 template's # Tools section
+    bad = await client.request("/tokenize", {"messages": messages, "tools": [{"type": "code"}]})
+    assert bad.status == 400 and bad.json()["error"]["param"] == "tools[0]"

@@ -122,6 +122,7 @@ EFFECTS: dict[type, dict[str, str]] = {
         "prompt": "trioserve.frontend.edge.app:create_app",
         "add_special_tokens": "trioserve.frontend.edge.app:create_app",
         "add_generation_prompt": "trioserve.frontend.edge.app:create_app",
+        "tools": "trioserve.frontend.edge.app:create_app",
     },
     DetokenizeRequest: {
         "model": "trioserve.frontend.edge.app:create_app",

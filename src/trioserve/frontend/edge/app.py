@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.metadata
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 
 import msgspec
 import trio
@@ -27,6 +28,7 @@ from werkzeug.exceptions import HTTPException
 
 from trioserve.frontend.request.errors import ApiError, error_body
 from trioserve.frontend.request.openai_schema import DetokenizeRequest, TokenizeRequest
+from trioserve.frontend.request.tools import checked_functions
 from trioserve.frontend.request.validate import decode_body, resolve_model
 from trioserve.frontend.serving import Serving, message_dicts
 
@@ -136,7 +138,11 @@ def create_app(
         tok = serving.tokenizer
         if req.messages is not None:
             messages = message_dicts(req.messages)
-            ids = await serving.render(serving.apply_chat_template, messages, req.add_generation_prompt)
+            tools = list(req.tools) if req.tools else None
+            if tools is not None:
+                checked_functions(tools)
+            render = partial(serving.apply_chat_template, tools=tools)
+            ids = await serving.render(render, messages, req.add_generation_prompt)
         elif req.prompt is not None:
             ids = await serving.render(tok.encode, req.prompt, req.add_special_tokens)
         else:

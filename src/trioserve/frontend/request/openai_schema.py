@@ -142,6 +142,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[dict[str, Any]] | None = None  # rendered with messages, as a chat request's are
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

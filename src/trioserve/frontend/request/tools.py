@@ -85,6 +85,16 @@ def _function(tool: Any, i: int) -> dict[str, Any]:
     return fn
 
 
+def checked_functions(tools: list[Any]) -> list[dict[str, Any]]:
+    """The functions of ``tools``, checked (a 400 naming the first problem's path)."""
+    if len(tools) > MAX_TOOLS:
+        raise ApiError(400, f"at most {MAX_TOOLS} tools are allowed", param="tools")
+    functions = [_function(t, i) for i, t in enumerate(tools)]
+    if len({f["name"] for f in functions}) < len(functions):
+        raise ApiError(400, "tools must have distinct function names", param="tools")
+    return functions
+
+
 def tools_plan(req: ChatCompletionRequest, limits: RequestConfig) -> ToolsPlan | None:
     """The request's tools plan (None: no tools), or a 400."""
     choice = req.tool_choice
@@ -92,12 +102,8 @@ def tools_plan(req: ChatCompletionRequest, limits: RequestConfig) -> ToolsPlan |
         if choice not in (None, "none"):
             raise ApiError(400, "tool_choice needs tools", param="tool_choice")
         return None
-    if len(req.tools) > MAX_TOOLS:
-        raise ApiError(400, f"at most {MAX_TOOLS} tools are allowed", param="tools")
-    functions = [_function(t, i) for i, t in enumerate(req.tools)]
+    functions = checked_functions(req.tools)
     by_name = {f["name"]: f for f in functions}
-    if len(by_name) < len(functions):
-        raise ApiError(400, "tools must have distinct function names", param="tools")
     single = req.parallel_tool_calls is False
     tools = list(req.tools)
     if choice is None or choice == "auto":
