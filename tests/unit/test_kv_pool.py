@@ -24,7 +24,7 @@ def test_each_layer_has_its_own_keys_and_values() -> None:
     cache = PagedKVCache(3, 4, 16, 2, 8, torch.float32, torch.device("cpu"))
     assert len(cache.keys) == len(cache.values) == 3
     for tensor in (*cache.keys, *cache.values):
-        assert tensor.shape == (4, 2, 16, 8) and tensor.is_contiguous()
+        assert tensor.shape == (4, 16, 2, 8) and tensor.is_contiguous()  # blocks, positions, heads, dim
     cache.keys[1][0, 0, 0, 0] = 7.0
     others = [t for i, t in enumerate((*cache.keys, *cache.values)) if i != 1]
     assert all(t.abs().sum().item() == 0 for t in others)

@@ -341,7 +341,7 @@ class ModelRunner:
         """Save the K/V slots ``layout`` writes, in every layer, and put them back on the way out."""
         blocks, offsets = layout.write_blocks, layout.write_offsets
         saved = [
-            (k[blocks, :, offsets], v[blocks, :, offsets])
+            (k[blocks, offsets], v[blocks, offsets])
             for k, v in zip(self.cache.keys, self.cache.values, strict=True)
         ]
         try:
@@ -350,8 +350,8 @@ class ModelRunner:
             for (k, v), (sk, sv) in zip(
                 zip(self.cache.keys, self.cache.values, strict=True), saved, strict=True
             ):
-                k[blocks, :, offsets] = sk
-                v[blocks, :, offsets] = sv
+                k[blocks, offsets] = sk
+                v[blocks, offsets] = sv
 
     def _timed_model(
         self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, layout: BatchLayout, count: int
