@@ -82,7 +82,6 @@ def instance(i: int) -> str:
 
 
 def apply_cost(bitmask: torch.Tensor, vocab: int, repeats: int) -> float:
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
     from trioserve.worker.grammar import apply_bitmask
 
     logits = torch.randn(bitmask.shape[0], vocab)
@@ -205,7 +204,6 @@ def main() -> None:
 
     model = args.model
     if not model:
-        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
         from trioserve.models.embedded_model import default_model_dir
 
         model = str(default_model_dir())

@@ -27,7 +27,7 @@ OutputQueuePolicy = Literal["coalesce", "block", "unbounded"]
 PolicyKind = Literal["merge", "queue", "stall", "abort-slow-client"]
 DispatchPolicyName = Literal["dplb", "round-robin", "prefix", "least-outstanding-bytes"]
 LogLevel = Literal["debug", "info", "warning", "error"]
-ToolCallParserName = Literal["hermes", "llama3_json"]  # frontend/output/tool_parsers.py
+ToolCallParserName = Literal["hermes", "llama3_json"]  # frontend/output/tool_parsers.py: auto_parser
 
 S = TypeVar("S", bound=msgspec.Struct)
 

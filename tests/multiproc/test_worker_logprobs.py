@@ -23,11 +23,9 @@ VOCAB = 256
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("tiny-llama-logprobs")
-    torch.manual_seed(0)
-    config = LlamaConfig(
+def tiny_config() -> LlamaConfig:
+    """A tiny random Llama over a 256-token vocabulary (test_thread_learning.py uses it too)."""
+    return LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=128,
@@ -37,7 +35,13 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
         head_dim=16,
         max_position_embeddings=256,
     )
-    LlamaForCausalLM(config).save_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-llama-logprobs")
+    torch.manual_seed(0)
+    LlamaForCausalLM(tiny_config()).save_pretrained(folder)
     return folder
 
 

@@ -32,8 +32,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-ParserName = Literal["hermes", "llama3_json"]
-PARSERS: tuple[ParserName, ...] = ("hermes", "llama3_json")
+from trioserve.config import ToolCallParserName
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,9 +55,6 @@ class ToolOutput:
 
 
 class ToolParser(Protocol):
-    @property
-    def calls_made(self) -> int: ...
-
     def feed(self, text: str) -> ToolOutput: ...
 
     def finish(self) -> ToolOutput: ...
@@ -299,10 +295,6 @@ class Llama3JsonParser:
         self._pending = ""
         self._calls = ForcedParser()
 
-    @property
-    def calls_made(self) -> int:
-        return self._calls.calls_made
-
     def feed(self, text: str) -> ToolOutput:
         if self._mode == "undecided":
             text = self._pending + text
@@ -330,5 +322,5 @@ class Llama3JsonParser:
         return self._calls.finish()
 
 
-def auto_parser(name: ParserName) -> ToolParser:
+def auto_parser(name: ToolCallParserName) -> ToolParser:
     return HermesParser() if name == "hermes" else Llama3JsonParser()
