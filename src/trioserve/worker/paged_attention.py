@@ -66,9 +66,9 @@ class PagedKVCache:
     whole blocks (contiguous copies, several times faster on the CPU than gathering slot by slot)
     whose result already is ``[batch, positions, heads, dim]``: SDPA takes its ``transpose(1, 2)`` as a
     strided view, with no second copy. (Heads first, as before, needed that second copy into
-    ``[batch, heads, positions, dim]``; decode attention over 192-token contexts took 0.5 ms here
-    instead of 2.2-2.4 ms for 32 sequences of the tiny model, 1.3-1.9 instead of 2.1-3.1 ms for
-    SmolLM2's heads, per layer: ``docs/benchmarks.md``.)
+    ``[batch, heads, positions, dim]``: one layer's decode attention over 192-token contexts, timed
+    alone, took 0.5 instead of 2.2-2.4 ms for 32 sequences of the tiny model's heads and 1.3-1.9
+    instead of 2.1-3.1 ms for SmolLM2's; whole steps: ``docs/benchmarks.md``.)
     """
 
     def __init__(
