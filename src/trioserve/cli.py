@@ -745,9 +745,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from trioserve.coordinator.main import CoordinatorLaunch, run_coordinator
 
         return run_coordinator(msgspec.json.decode(ns.launch, type=CoordinatorLaunch))
+    from trioserve.protocol.worker_messages import WorkerLaunch
+    from trioserve.worker import kv_prefault
+
+    launch = WorkerLaunch.from_json(ns.launch)
+    prefault = kv_prefault.start(launch)  # before torch's imports, which it runs beside
     from trioserve.worker.main import run_worker
 
-    return run_worker(ns.launch)
+    return run_worker(launch, prefault)
 
 
 if __name__ == "__main__":

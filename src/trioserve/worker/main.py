@@ -60,6 +60,7 @@ from trioserve.runtime.placement import (
 )
 from trioserve.runtime.process import set_title, setup_logging
 from trioserve.transport.shm_ring import ReaderDied, RingReader, RingWriter, WriterClosed, WriterDied
+from trioserve.worker.kv_prefault import Prefault
 from trioserve.worker.model_runner import ModelRunner, RunnerConfig, TensorParallel
 from trioserve.worker.shadow import ThreadTuner
 from trioserve.worker.tensor_parallel import leave_group
@@ -70,9 +71,10 @@ log = logging.getLogger("trioserve.worker")
 SHADOW_EVERY_ENV = "TRIOSERVE_CPU_SHADOW_EVERY"  # K: served steps per shadow pass (thread learning)
 
 
-def run_worker(launch: WorkerLaunch | str) -> int:
+def run_worker(launch: WorkerLaunch | str, prefault: Prefault | None = None) -> int:
     """The worker process's main: ``launch`` is its ``WorkerLaunch`` (or that value's JSON, as
-    ``--launch`` carries it); returns the exit code."""
+    ``--launch`` carries it), ``prefault`` its KV pool's pages if ``worker/kv_prefault.py`` started
+    faulting them in before this module's imports; returns the exit code."""
     if isinstance(launch, str):
         launch = WorkerLaunch.from_json(launch)
     set_title(launch.title)
@@ -89,7 +91,7 @@ def run_worker(launch: WorkerLaunch | str) -> int:
             results.write_blocking(encoder.encode(message))
 
     try:
-        return _serve(launch, steps, answer)
+        return _serve(launch, steps, answer, prefault)
     except ReaderDied:  # answering: the engine core, the result ring's one reader, is gone
         log.info("worker %d: the engine core is gone; exiting", launch.rank)
         return 0
@@ -100,10 +102,15 @@ def run_worker(launch: WorkerLaunch | str) -> int:
             results.close()
 
 
-def _serve(launch: WorkerLaunch, steps: RingReader, answer: Callable[[msgspec.Struct], None]) -> int:
+def _serve(
+    launch: WorkerLaunch,
+    steps: RingReader,
+    answer: Callable[[msgspec.Struct], None],
+    prefault: Prefault | None,
+) -> int:
     """Load the model, say so, then run steps until told to stop (the return value: the exit code)."""
     try:
-        runner = _load(launch)
+        runner = _load(launch, prefault)
         learning = thread_tuner(launch, runner)
     except Exception as exc:
         log.exception("worker %d could not load %s", launch.rank, launch.model)
@@ -207,7 +214,7 @@ def cpu_threads(configured: int, rank: int) -> int:
     return threads
 
 
-def _load(launch: WorkerLaunch) -> ModelRunner:
+def _load(launch: WorkerLaunch, prefault: Prefault | None = None) -> ModelRunner:
     worker = launch.worker
     tp_size = launch.tensor_parallel_size
     device = worker.device
@@ -239,4 +246,9 @@ def _load(launch: WorkerLaunch) -> ModelRunner:
     config = RunnerConfig(
         launch.model, num_blocks, launch.block_size, device, dtype, threads, tp, tokenizer=launch.tokenizer
     )
-    return ModelRunner.load(config)
+    pool = None
+    if prefault is not None and device == "cpu":
+        pool = prefault.take(num_blocks * geometry.bytes_per_block(launch.block_size, dtype))
+    elif prefault is not None:
+        prefault.release()
+    return ModelRunner.load(config, pool=pool)

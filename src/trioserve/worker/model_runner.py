@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -154,6 +155,7 @@ class ModelRunner:
         output_rank: bool = True,
         num_threads: int = 0,
         tokenizer: str | None = None,
+        pool: mmap.mmap | None = None,
     ) -> None:
         self.model = model
         self.num_threads = num_threads  # the configured intra-op count; 0: torch's default, untouched
@@ -176,6 +178,7 @@ class ModelRunner:
             geometry.head_dim,
             model.dtype,
             self.device,
+            pool,
         )
         self.sampler = Sampler(self.device, self.vocab_size)
         self.grammars = GrammarBook(tokenizer, self.vocab_size)  # structured output (worker/grammar.py)
@@ -185,10 +188,10 @@ class ModelRunner:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
     @classmethod
-    def load(cls, config: RunnerConfig) -> ModelRunner:
+    def load(cls, config: RunnerConfig, pool: mmap.mmap | None = None) -> ModelRunner:
         """Load the model; with ``tensor_parallel``, join the group first, then keep this rank's shard
         and agree on the smallest KV pool any rank holds (the ledger's blocks are the same ids on
-        every rank)."""
+        every rank). ``pool``: the CPU pool's zeroed, resident pages (``worker/kv_prefault.py``)."""
         if config.num_threads > 0:  # loading runs parallel regions too; forwards state their own count
             ThreadContext().use(config.num_threads)
         started = time.perf_counter()
@@ -218,6 +221,7 @@ class ModelRunner:
             output_rank=tp is None or tp.rank == 0,
             num_threads=config.num_threads,
             tokenizer=config.tokenizer or config.model,
+            pool=pool,
         )
         runner.load_seconds = time.perf_counter() - started
         log.info(

@@ -80,28 +80,35 @@ class PagedKVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        pages: mmap.mmap | None = None,
     ) -> None:
         self.block_size = block_size
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        pool = zeroed((2 * num_layers, *shape), dtype, device)
+        pool = zeroed((2 * num_layers, *shape), dtype, device, pages)
         self.keys = list(pool[:num_layers])
         self.values = list(pool[num_layers:])
 
 
-def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def zeroed(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, pages: mmap.mmap | None = None
+) -> torch.Tensor:
     """A zero tensor for the KV pool, resident from the start. On the CPU, an anonymous private mapping
     with ``MAP_POPULATE``: the kernel hands out zeroed pages and maps them all in one call, where
     ``torch.zeros`` takes a page fault per page and then writes each page again (2 GiB on this VM:
     0.8-3.2 s against 2.9-4.9 s; docs/benchmarks.md). Not populated lazily on purpose: with the prefix
     cache, freed blocks stay cached and new ones keep coming from pages never touched, and each first
     write's fault made the served tiny model 30 % slower until the pool had been used once. Without
-    ``MAP_POPULATE`` (not Linux) the pages fault in as first written. Elsewhere: ``torch.zeros``."""
+    ``MAP_POPULATE`` (not Linux) the pages fault in as first written. Elsewhere: ``torch.zeros``.
+    ``pages``: such a mapping, populated on a thread from before torch's imports
+    (``worker/kv_prefault.py``: start-up), exactly the pool's size."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     count = math.prod(shape)
     nbytes = count * torch.empty(0, dtype=dtype).element_size()
+    if pages is not None and len(pages) != nbytes:
+        raise ValueError(f"a KV pool of {nbytes} bytes was handed {len(pages)} prefaulted bytes")
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-    buffer = mmap.mmap(-1, nbytes, flags=flags)
+    buffer = pages if pages is not None else mmap.mmap(-1, nbytes, flags=flags)
     return torch.frombuffer(buffer, dtype=dtype, count=count).view(shape)  # it keeps the mapping alive
 
 
