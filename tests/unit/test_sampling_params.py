@@ -11,6 +11,7 @@ accepting them, and the worst-case step with every list at its cap fitting the r
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from typing import Any
 
@@ -130,6 +131,27 @@ def test_min_p_equals_transformers(min_p: float, temperature: float) -> None:
     kept = ~expected.isinf()
     torch.testing.assert_close(ours[kept], expected[kept])
     assert bool(kept.any())
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_min_p_row_by_row_keeps_exactly_the_rule(seed: int) -> None:
+    """The CPU path (``threshold_`` just below each row's threshold) against the rule itself, on
+    logits on a coarse grid (many ties, some exactly at a threshold), some -inf, some rows without
+    min_p, greedy rows, and min_p 1.0 (only the top tokens stay)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(8, V, generator=g) * 4).round() / 4  # quarter steps: ties everywhere
+    logits[2, ::7] = float("-inf")
+    min_ps = [0.0, 0.05, 0.3, 1.0, 0.0, math.exp(-0.5), 0.9, 0.05]  # exp(-0.5): thresholds on the grid
+    rows = [SamplingRow(1.0, min_p=m) for m in min_ps]
+    rows[7] = SamplingRow(0.0, min_p=0.05)  # greedy: not cut
+    ours = Sampler(CPU, V).warp(logits.clone(), rows)
+    for i, (row, m) in enumerate(zip(logits, min_ps, strict=True)):
+        if m == 0.0 or i == 7:
+            assert torch.equal(ours[i], row)
+            continue
+        threshold = row.amax() + torch.tensor(math.log(m))
+        assert torch.equal(ours[i], row.masked_fill(row < threshold, float("-inf"))), i
+        assert ours[i].amax() == row.amax()
 
 
 BAD_WORDS = [[4], [10, 11], [20, 21, 22], [30, 11]]
