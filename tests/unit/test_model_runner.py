@@ -50,8 +50,8 @@ def reference_greedy(model: Any, prompt: list[int], max_tokens: int) -> list[int
     model.set_attn_implementation("sdpa")
     with torch.inference_mode():
         out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            torch.tensor([prompt], device=model.device),  # (tests/gpu runs these tests on CUDA)
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=model.device),
             max_new_tokens=max_tokens,
             do_sample=False,
             pad_token_id=0,
