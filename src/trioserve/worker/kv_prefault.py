@@ -148,7 +148,7 @@ class Prefault:
         waited = time.perf_counter()
         self.done.wait()
         mapping, self.mapping = self.mapping, None
-        if self.populated:  # the thread's own line went out before this process's logging was set up
+        if self.populated:  # said here: the worker sets its logging up after the imports
             log.info(
                 "KV pool resident: %.2f GiB in %.1f s (%.1f s of it waited for after the imports)",
                 self.plan.nbytes / (1 << 30),
