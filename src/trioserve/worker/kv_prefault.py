@@ -18,7 +18,7 @@ Rules:
   keys and values (the pool's ``planes``), so the blocks the ledger hands out first (an empty ledger
   hands out 0, 1, 2, ...) are the first resident. Not one ``MAP_POPULATE`` mmap: that holds the
   process's memory-map lock for the whole 2 GiB, and the imports' own mappings waited behind it (they
-  ran 2.5x slower); in chunks the imports lose about 1 s.
+  ran 2.5x slower); in chunks they lose 1-2 s.
 - It asks for transparent huge pages first (``MADV_HUGEPAGE``, a hint the kernel may ignore): where
   the host has the memory backed already, 2 GiB populated in 0.2-1.0 s instead of 0.9-1.4 s here;
   where it does not, both took 2.5-3.7 s.

@@ -572,8 +572,8 @@ def _min_p(scaled: torch.Tensor, rows: list[tuple[int, float]]) -> None:
 
     On the CPU in float32, row by row with ``threshold_`` (``x if x > t else -inf``) at ``t`` the float
     just below the row's threshold, which keeps exactly ``x >= threshold``: torch's CPU ``masked_fill``
-    and ``where`` over a ``[32, 49152]`` batch took 2.3-2.8 ms here, ``threshold_`` 0.17 ms (vectorised);
-    the whole cut went 4.0 -> 1.4 ms. Elsewhere one ``masked_fill`` (one kernel, no host sync)."""
+    and ``where`` over a ``[32, 49152]`` batch took 2.5-2.9 ms here, ``threshold_`` 0.18 ms (vectorised);
+    the whole cut went 3.8-4.2 -> 0.38 ms. Elsewhere one ``masked_fill`` (one kernel, no host sync)."""
     index = [i for i, _ in rows]
     floor = torch.tensor([math.log(m) for _, m in rows], device=scaled.device, dtype=scaled.dtype)
     if scaled.device.type == "cpu" and scaled.dtype == torch.float32:
