@@ -141,18 +141,19 @@ def tiny_model_dir(folder: Path) -> Path:
     return folder
 
 
-def profile_point(model_dir: Path, seqs: int, prompt: int, steps: int) -> dict[str, float]:
-    runner = ModelRunner.load(RunnerConfig(str(model_dir), seqs * 16, BLOCK, "cpu", "float32", 1))
+def profile_point(model_dir: Path, seqs: int, prompt: int, steps: int, attention: str) -> dict[str, float]:
+    config = RunnerConfig(str(model_dir), seqs * 16, BLOCK, "cpu", "float32", 1, attention=attention)
+    runner = ModelRunner.load(config)
     clock = Clock()
     instrument(runner, clock)
-    config = SchedulerConfig(
+    scheduling = SchedulerConfig(
         max_num_seqs=seqs,
         max_num_batched_tokens=seqs * prompt,
         max_model_len=prompt + 2 * steps + 16,
         num_blocks=runner.num_blocks,
         block_size=BLOCK,
     )
-    scheduler = Scheduler(config)
+    scheduler = Scheduler(scheduling)
     params = SamplingParams(max_tokens=2 * steps + 8, temperature=0.0, ignore_eos=True)
     vocab = runner.vocab_size
     for i in range(seqs):
@@ -199,6 +200,12 @@ def main() -> None:
     parser.add_argument("--points", default="tiny:32,tiny:128,smollm2:8,smollm2:32")
     parser.add_argument("--prompt", type=int, default=16)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument(
+        "--attention",
+        default="auto",
+        choices=("auto", "native", "torch"),
+        help="decode attention: the native kernel in place (auto: when it builds) or torch's gather + SDPA",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(
@@ -210,14 +217,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         dirs = {"tiny": tiny_model_dir(Path(tmp)), "smollm2": ensure_default_model()}
         for name, seqs in points:
-            results[f"{name} @ {seqs}"] = profile_point(dirs[name], seqs, args.prompt, args.steps)
+            results[f"{name} @ {seqs}"] = profile_point(
+                dirs[name], seqs, args.prompt, args.steps, args.attention
+            )
     print(
         "uptime (end):",
         subprocess.run(["uptime"], check=False, capture_output=True, text=True).stdout.strip(),
     )
     heads = list(results)
     print(f"\nms per decode step ({args.steps} plain and {args.steps} instrumented steps, "
-          f"{args.prompt}-token prompts; % of the instrumented step)\n")  # fmt: skip
+          f"{args.prompt}-token prompts, attention {args.attention}; "
+          "% of the instrumented step)\n")  # fmt: skip
     print("| part | " + " | ".join(heads) + " |")
     print("|---|" + "---|" * len(heads))
     for part in PARTS:

@@ -428,6 +428,13 @@ def _engine_flags(p: argparse.ArgumentParser, *, serve: bool) -> None:
     g.add("--dtype", "dtype", "model weights and KV cache", choices=True)
     g.add("--kv-cache-gib", "kv_cache_gib", "model: KV-cache memory", type=float)
     g.add(
+        "--attention-backend",
+        "attention_backend",
+        "model, CPU float32: decode attention read in place by a kernel compiled here (native) or "
+        "gathered for SDPA (torch); auto: native when a C compiler builds it",
+        choices=True,
+    )
+    g.add(
         "--worker-threads",
         "worker_threads",
         f"model: torch CPU threads per worker, capped by its cores and cgroup quota (0: half of them, "

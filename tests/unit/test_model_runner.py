@@ -46,6 +46,14 @@ def model(request: pytest.FixtureRequest) -> Any:
     return tiny_model(request.param)
 
 
+@pytest.fixture(params=["auto", "torch"], autouse=True)
+def attention(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test here twice: decode attention read in place by the native kernel (``auto`` on the
+    CPU) and gathered for torch's SDPA."""
+    monkeypatch.setattr(Engine, "attention", request.param)
+    return str(request.param)
+
+
 def reference_greedy(model: Any, prompt: list[int], max_tokens: int) -> list[int]:
     model.set_attn_implementation("sdpa")
     with torch.inference_mode():
@@ -60,7 +68,10 @@ def reference_greedy(model: Any, prompt: list[int], max_tokens: int) -> list[int
 
 
 class Engine:
-    """The pure scheduler and the runner in a loop: what the engine core does, minus processes."""
+    """The pure scheduler and the runner in a loop: what the engine core does, minus processes.
+    ``attention``: the runner's decode-attention backend (this module runs every test on both)."""
+
+    attention = "auto"
 
     def __init__(self, model: Any, tokenizer: str | None = None, **limits: Any) -> None:
         config = dict(
@@ -68,7 +79,11 @@ class Engine:
         )
         config.update(limits)
         self.scheduler = Scheduler(SchedulerConfig(**config))
-        self.runner = ModelRunner(model, config["num_blocks"], config["block_size"], tokenizer=tokenizer)
+        self.runner = ModelRunner(
+            model, config["num_blocks"], config["block_size"], tokenizer=tokenizer, attention=self.attention
+        )
+        if self.attention == "auto" and model.device.type == "cpu":  # the kernel, not a silent fallback
+            assert self.runner.cache.native is not None
         self.tokens: dict[str, list[int]] = {}
         self.finish: dict[str, str] = {}
         self.cached: dict[str, int] = {}

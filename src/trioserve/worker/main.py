@@ -244,7 +244,15 @@ def _load(launch: WorkerLaunch, prefault: Prefault | None = None) -> ModelRunner
     if num_blocks < 1:
         raise ValueError(f"{launch.kv_cache_bytes} bytes of KV cache hold no block of {launch.block_size}")
     config = RunnerConfig(
-        launch.model, num_blocks, launch.block_size, device, dtype, threads, tp, tokenizer=launch.tokenizer
+        launch.model,
+        num_blocks,
+        launch.block_size,
+        device,
+        dtype,
+        threads,
+        tp,
+        tokenizer=launch.tokenizer,
+        attention=worker.attention_backend,
     )
     pool = None
     if prefault is not None and device == "cpu":

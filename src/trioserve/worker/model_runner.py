@@ -68,6 +68,7 @@ from trioserve.protocol.messages import SamplingParams, TokenLogprobs
 from trioserve.protocol.step import SchedulerOutput
 from trioserve.protocol.worker_messages import StepResult
 from trioserve.worker.grammar import GrammarBook, GrammarState, add_bias
+from trioserve.worker.native_attention import native_decode
 from trioserve.worker.paged_attention import ATTN_IMPLEMENTATION, BatchLayout, PagedKVCache, PrefillSpan
 from trioserve.worker.sampler import RequestProcessors, Sampler, SamplingRow, token_logprobs
 from trioserve.worker.tensor_parallel import all_reduce_min, init_group, shard_model
@@ -88,6 +89,7 @@ class RunnerConfig:
     num_threads: int = 0  # torch intra-op threads on the CPU; 0: torch's default
     tensor_parallel: TensorParallel | None = None  # None: the whole model in this process
     tokenizer: str | None = None  # the tokenizer folder structured output reads; None: ``model``'s
+    attention: str = "auto"  # WorkerConfig.attention_backend: auto, native or torch
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +158,7 @@ class ModelRunner:
         num_threads: int = 0,
         tokenizer: str | None = None,
         pool: mmap.mmap | None = None,
+        attention: str = "auto",
     ) -> None:
         self.model = model
         self.num_threads = num_threads  # the configured intra-op count; 0: torch's default, untouched
@@ -179,6 +182,7 @@ class ModelRunner:
             model.dtype,
             self.device,
             pool,
+            native_decode(attention, self.device, model.dtype),
         )
         self.sampler = Sampler(self.device, self.vocab_size)
         self.grammars = GrammarBook(tokenizer, self.vocab_size)  # structured output (worker/grammar.py)
@@ -222,16 +226,18 @@ class ModelRunner:
             num_threads=config.num_threads,
             tokenizer=config.tokenizer or config.model,
             pool=pool,
+            attention=config.attention,
         )
         runner.load_seconds = time.perf_counter() - started
         log.info(
-            "loaded %s on %s (%s) in %.1f s; KV cache: %d blocks of %d tokens%s",
+            "loaded %s on %s (%s) in %.1f s; KV cache: %d blocks of %d tokens; decode attention: %s%s",
             config.model,
             device,
             config.dtype,
             runner.load_seconds,
             num_blocks,
             config.block_size,
+            "native, in place" if runner.cache.native is not None else "torch, gathered",
             shard,
         )
         return runner
@@ -559,8 +565,8 @@ class ModelRunner:
         decode_blocks = torch.tensor(
             [t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long, device=dev
         ).view(len(decode_tables), width)
-        lens = torch.tensor(decode_lens, dtype=torch.long, device=dev).view(-1, 1)
-        decode_mask = (torch.arange(width * bs, device=dev).unsqueeze(0) < lens).view(
+        lens = torch.tensor(decode_lens, dtype=torch.long, device=dev)
+        decode_mask = (torch.arange(width * bs, device=dev).unsqueeze(0) < lens.view(-1, 1)).view(
             len(decode_lens), 1, 1, width * bs
         )
         return BatchLayout(
@@ -569,6 +575,7 @@ class ModelRunner:
             decode_rows=torch.tensor(decode_rows, dtype=torch.long, device=dev),
             decode_blocks=decode_blocks,
             decode_mask=decode_mask,
+            decode_lens=lens,
             prefills=tuple(prefills),
         )
 

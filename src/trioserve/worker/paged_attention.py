@@ -8,8 +8,9 @@ function registered here does the rest for each layer:
 
 1. write this step's keys and values into their blocks, at ``(position // block_size, position %
    block_size)`` through each request's block table;
-2. decodes (one new token each) attend to their whole context in one batched SDPA call, gathered
-   through the block tables and padded to the longest, with a mask;
+2. decodes (one new token each) attend to their whole context: read in place through the block
+   tables by the native kernel (``worker/native_attention.py``) when the cache has one, else in one
+   batched SDPA call, gathered through the block tables and padded to the longest, with a mask;
 3. each prefill chunk attends causally to its own context: straight to its fresh keys when the chunk
    starts at position 0 (nothing to read back), else to the keys read back through its block table
    (a prefix-cache hit or an earlier chunk).
@@ -34,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from trioserve.worker.native_attention import NativeDecode
+
 ATTN_IMPLEMENTATION = "trioserve_paged"
 
 
@@ -56,6 +59,7 @@ class BatchLayout:
     decode_rows: torch.Tensor  # [B] flat rows of the decode tokens
     decode_blocks: torch.Tensor  # [B, n] block tables of the decodes, padded with block 0
     decode_mask: torch.Tensor  # [B, 1, 1, n * block_size] bool, True on each context's positions
+    decode_lens: torch.Tensor  # [B] int64, each decode's context length (its own token included)
     prefills: tuple[PrefillSpan, ...]
 
 
@@ -81,8 +85,10 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device,
         pages: mmap.mmap | None = None,
+        native: NativeDecode | None = None,
     ) -> None:
         self.block_size = block_size
+        self.native = native  # decode attention read in place; None: gathered for SDPA
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         pool = zeroed((2 * num_layers, *shape), dtype, device, pages)
         self.keys = list(pool[:num_layers])
@@ -148,7 +154,7 @@ def paged_attention(
     out = torch.empty_like(q)
     if layout.decode_rows.numel():
         out[layout.decode_rows] = _decode_attention(
-            q[layout.decode_rows], key_cache, value_cache, layout, num_kv_heads, scaling
+            q[layout.decode_rows], cache, layer, layout, num_kv_heads, scaling
         )
     gqa = num_heads != num_kv_heads
     for span in layout.prefills:
@@ -166,8 +172,8 @@ def paged_attention(
 
 def _decode_attention(
     q: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    cache: PagedKVCache,
+    layer: int,
     layout: BatchLayout,
     num_kv_heads: int,
     scaling: float | None,
@@ -176,10 +182,16 @@ def _decode_attention(
     ``h`` reads kv head ``h // group`` (transformers' ``repeat_kv`` order), so ``[B, H, D]`` viewed as
     ``[B, Hkv, group, D]`` attends to ``[B, Hkv, L, D]`` with no copy of the keys per head."""
     batch, num_heads, dim = q.shape
+    if cache.native is not None:
+        scale = scaling if scaling is not None else dim**-0.5  # SDPA's default
+        blocks, lens = layout.decode_blocks, layout.decode_lens
+        return cache.native(
+            q, cache.keys[layer], cache.values[layer], blocks, lens, scale, torch.get_num_threads()
+        )
     group = num_heads // num_kv_heads
     qd = q.view(batch, num_kv_heads, group, dim)
-    kd = gather(key_cache, layout.decode_blocks)
-    vd = gather(value_cache, layout.decode_blocks)
+    kd = gather(cache.keys[layer], layout.decode_blocks)
+    vd = gather(cache.values[layer], layout.decode_blocks)
     o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=layout.decode_mask, scale=scaling)
     return o.reshape(batch, num_heads, dim)
 
