@@ -141,8 +141,8 @@ def tiny_model_dir(folder: Path) -> Path:
     return folder
 
 
-def profile_point(model_dir: Path, seqs: int, prompt: int, steps: int, attention: str) -> dict[str, float]:
-    config = RunnerConfig(str(model_dir), seqs * 16, BLOCK, "cpu", "float32", 1, attention=attention)
+def profile_point(model_dir: Path, seqs: int, prompt: int, steps: int, kernels: str) -> dict[str, float]:
+    config = RunnerConfig(str(model_dir), seqs * 16, BLOCK, "cpu", "float32", 1, cpu_kernels=kernels)
     runner = ModelRunner.load(config)
     clock = Clock()
     instrument(runner, clock)
@@ -201,7 +201,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=16)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument(
-        "--attention",
+        "--cpu-kernels",
         default="auto",
         choices=("auto", "native", "torch"),
         help="decode attention: the native kernel in place (auto: when it builds) or torch's gather + SDPA",
@@ -218,7 +218,7 @@ def main() -> None:
         dirs = {"tiny": tiny_model_dir(Path(tmp)), "smollm2": ensure_default_model()}
         for name, seqs in points:
             results[f"{name} @ {seqs}"] = profile_point(
-                dirs[name], seqs, args.prompt, args.steps, args.attention
+                dirs[name], seqs, args.prompt, args.steps, args.cpu_kernels
             )
     print(
         "uptime (end):",
@@ -226,7 +226,7 @@ def main() -> None:
     )
     heads = list(results)
     print(f"\nms per decode step ({args.steps} plain and {args.steps} instrumented steps, "
-          f"{args.prompt}-token prompts, attention {args.attention}; "
+          f"{args.prompt}-token prompts, attention {args.cpu_kernels}; "
           "% of the instrumented step)\n")  # fmt: skip
     print("| part | " + " | ".join(heads) + " |")
     print("|---|" + "---|" * len(heads))

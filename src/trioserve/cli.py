@@ -428,8 +428,8 @@ def _engine_flags(p: argparse.ArgumentParser, *, serve: bool) -> None:
     g.add("--dtype", "dtype", "model weights and KV cache", choices=True)
     g.add("--kv-cache-gib", "kv_cache_gib", "model: KV-cache memory", type=float)
     g.add(
-        "--attention-backend",
-        "attention_backend",
+        "--cpu-kernels",
+        "cpu_kernels",
         "model, CPU float32: decode attention read in place by a kernel compiled here (native) or "
         "gathered for SDPA (torch); auto: native when a C compiler builds it",
         choices=True,

@@ -264,9 +264,9 @@ class WorkerConfig(_Section, frozen=True):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on cuda, fp32 on cpu
     kv_cache_gib: PositiveFloat = 2.0
     # Decode attention on the CPU in float32: "native" reads the paged KV cache in place with a kernel
-    # compiled here (worker/native_attention.py; refused where it cannot build), "torch" gathers it for
+    # compiled here (worker/native_kernels.py; refused where it cannot build), "torch" gathers it for
     # SDPA; "auto": native when it builds, else torch. Other devices and dtypes: torch always.
-    attention_backend: Literal["auto", "native", "torch"] = "auto"
+    cpu_kernels: Literal["auto", "native", "torch"] = "auto"
     worker_threads: NonNegative = 0  # torch CPU threads per worker, capped by its budget; 0: half of it
     tensor_parallel_size: Positive = 1  # workers per engine core, each holding a shard of the weights
     worker_step_timeout: PositiveFloat = 300.0  # a step's hard limit; also how long an engine may be silent

@@ -47,10 +47,10 @@ def model(request: pytest.FixtureRequest) -> Any:
 
 
 @pytest.fixture(params=["auto", "torch"], autouse=True)
-def attention(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+def cpu_kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Every test here twice: decode attention read in place by the native kernel (``auto`` on the
     CPU) and gathered for torch's SDPA."""
-    monkeypatch.setattr(Engine, "attention", request.param)
+    monkeypatch.setattr(Engine, "cpu_kernels", request.param)
     return str(request.param)
 
 
@@ -71,7 +71,7 @@ class Engine:
     """The pure scheduler and the runner in a loop: what the engine core does, minus processes.
     ``attention``: the runner's decode-attention backend (this module runs every test on both)."""
 
-    attention = "auto"
+    cpu_kernels = "auto"
 
     def __init__(self, model: Any, tokenizer: str | None = None, **limits: Any) -> None:
         config = dict(
@@ -80,9 +80,13 @@ class Engine:
         config.update(limits)
         self.scheduler = Scheduler(SchedulerConfig(**config))
         self.runner = ModelRunner(
-            model, config["num_blocks"], config["block_size"], tokenizer=tokenizer, attention=self.attention
+            model,
+            config["num_blocks"],
+            config["block_size"],
+            tokenizer=tokenizer,
+            cpu_kernels=self.cpu_kernels,
         )
-        if self.attention == "auto" and model.device.type == "cpu":  # the kernel, not a silent fallback
+        if self.cpu_kernels == "auto" and model.device.type == "cpu":  # the kernel, not a silent fallback
             assert self.runner.cache.native is not None
         self.tokens: dict[str, list[int]] = {}
         self.finish: dict[str, str] = {}

@@ -252,7 +252,7 @@ def _load(launch: WorkerLaunch, prefault: Prefault | None = None) -> ModelRunner
         threads,
         tp,
         tokenizer=launch.tokenizer,
-        attention=worker.attention_backend,
+        cpu_kernels=worker.cpu_kernels,
     )
     pool = None
     if prefault is not None and device == "cpu":

@@ -68,7 +68,7 @@ from trioserve.protocol.messages import SamplingParams, TokenLogprobs
 from trioserve.protocol.step import SchedulerOutput
 from trioserve.protocol.worker_messages import StepResult
 from trioserve.worker.grammar import GrammarBook, GrammarState, add_bias
-from trioserve.worker.native_attention import native_decode
+from trioserve.worker.native_kernels import native_kernels
 from trioserve.worker.paged_attention import ATTN_IMPLEMENTATION, BatchLayout, PagedKVCache, PrefillSpan
 from trioserve.worker.sampler import RequestProcessors, Sampler, SamplingRow, token_logprobs
 from trioserve.worker.tensor_parallel import all_reduce_min, init_group, shard_model
@@ -89,7 +89,7 @@ class RunnerConfig:
     num_threads: int = 0  # torch intra-op threads on the CPU; 0: torch's default
     tensor_parallel: TensorParallel | None = None  # None: the whole model in this process
     tokenizer: str | None = None  # the tokenizer folder structured output reads; None: ``model``'s
-    attention: str = "auto"  # WorkerConfig.attention_backend: auto, native or torch
+    cpu_kernels: str = "auto"  # WorkerConfig.cpu_kernels: auto, native or torch
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +158,7 @@ class ModelRunner:
         num_threads: int = 0,
         tokenizer: str | None = None,
         pool: mmap.mmap | None = None,
-        attention: str = "auto",
+        cpu_kernels: str = "auto",
     ) -> None:
         self.model = model
         self.num_threads = num_threads  # the configured intra-op count; 0: torch's default, untouched
@@ -173,6 +173,7 @@ class ModelRunner:
         self.output_rank = output_rank
         self.load_seconds = 0.0  # set by load()
         self.vocab_size = geometry.vocab_size
+        kernels = native_kernels(cpu_kernels, self.device, model.dtype)
         self.cache = PagedKVCache(
             geometry.num_layers,
             num_blocks,
@@ -182,9 +183,9 @@ class ModelRunner:
             model.dtype,
             self.device,
             pool,
-            native_decode(attention, self.device, model.dtype),
+            kernels,
         )
-        self.sampler = Sampler(self.device, self.vocab_size)
+        self.sampler = Sampler(self.device, self.vocab_size, kernels)
         self.grammars = GrammarBook(tokenizer, self.vocab_size)  # structured output (worker/grammar.py)
         self.sequences: dict[str, _Sequence] = {}
         # The token id in every KV slot (block * block_size + offset), for the histories above.
@@ -226,18 +227,18 @@ class ModelRunner:
             num_threads=config.num_threads,
             tokenizer=config.tokenizer or config.model,
             pool=pool,
-            attention=config.attention,
+            cpu_kernels=config.cpu_kernels,
         )
         runner.load_seconds = time.perf_counter() - started
         log.info(
-            "loaded %s on %s (%s) in %.1f s; KV cache: %d blocks of %d tokens; decode attention: %s%s",
+            "loaded %s on %s (%s) in %.1f s; KV cache: %d blocks of %d tokens; CPU kernels: %s%s",
             config.model,
             device,
             config.dtype,
             runner.load_seconds,
             num_blocks,
             config.block_size,
-            "native, in place" if runner.cache.native is not None else "torch, gathered",
+            "native (decode attention in place, the draw)" if runner.cache.native is not None else "torch's",
             shard,
         )
         return runner

@@ -9,7 +9,7 @@ function registered here does the rest for each layer:
 1. write this step's keys and values into their blocks, at ``(position // block_size, position %
    block_size)`` through each request's block table;
 2. decodes (one new token each) attend to their whole context: read in place through the block
-   tables by the native kernel (``worker/native_attention.py``) when the cache has one, else in one
+   tables by the native kernel (``worker/native_kernels.py``) when the cache has one, else in one
    batched SDPA call, gathered through the block tables and padded to the longest, with a mask;
 3. each prefill chunk attends causally to its own context: straight to its fresh keys when the chunk
    starts at position 0 (nothing to read back), else to the keys read back through its block table
@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from trioserve.worker.native_attention import NativeDecode
+from trioserve.worker.native_kernels import NativeKernels
 
 ATTN_IMPLEMENTATION = "trioserve_paged"
 
@@ -85,7 +85,7 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device,
         pages: mmap.mmap | None = None,
-        native: NativeDecode | None = None,
+        native: NativeKernels | None = None,
     ) -> None:
         self.block_size = block_size
         self.native = native  # decode attention read in place; None: gathered for SDPA
@@ -185,7 +185,7 @@ def _decode_attention(
     if cache.native is not None:
         scale = scaling if scaling is not None else dim**-0.5  # SDPA's default
         blocks, lens = layout.decode_blocks, layout.decode_lens
-        return cache.native(
+        return cache.native.decode(
             q, cache.keys[layer], cache.values[layer], blocks, lens, scale, torch.get_num_threads()
         )
     group = num_heads // num_kv_heads

@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from trioserve.protocol.messages import SamplingParams, TokenLogprobs
+from trioserve.worker.native_kernels import NativeKernels
 
 GREEDY_BELOW = 1e-5  # temperatures under this are greedy (vLLM's epsilon)
 ARGMAX_CHUNK = 1024  # row_argmax's block: its maxima are a vectorised reduction, the rest is small
@@ -227,11 +228,15 @@ def _wider(have: int, need: int) -> int:
 
 
 class Sampler:
-    def __init__(self, device: torch.device, vocab_size: int = 0) -> None:
+    def __init__(
+        self, device: torch.device, vocab_size: int = 0, native: NativeKernels | None = None
+    ) -> None:
         """``vocab_size``: the logits' width, which the processors' token ids are checked against (0:
-        unknown, nothing is checked; the runner always gives it)."""
+        unknown, nothing is checked; the runner always gives it). ``native``: the CPU kernels, whose
+        ``draw`` then inverts float32 rows (None: torch's softmax, cumulative sum and search)."""
         self.device = device
         self.vocab_size = vocab_size
+        self.native = native
         self._generator = torch.Generator(device=device)  # re-seeded per seeded row
         self.token_counts = TokenCounts(device)
 
@@ -382,20 +387,23 @@ class Sampler:
         if all(row.greedy for row in rows):
             return row_argmax(logits).tolist()
         scaled = self.warp(logits, rows)
-        cdf = torch.softmax(scaled, dim=-1).cumsum_(dim=-1)
         greedy = [i for i, row in enumerate(rows) if row.greedy]
         # One uniform draw per row: seeded rows' from their own generator, the others' from the
         # global one (greedy rows draw too, and take the argmax below).
-        u = torch.rand(len(rows), 1, device=cdf.device)
+        u = torch.rand(len(rows), device=scaled.device)
         for i, r in enumerate(rows):
             if r.seed is not None and not r.greedy:
                 self._generator.manual_seed(seed_for(r.seed, r.output_index))
-                u[i] = torch.rand(1, generator=self._generator, device=cdf.device)
-        total = cdf[:, -1:]
-        # u * total < total (a rounding up to it would pick past the last token of mass): the first
-        # index whose sum exceeds it has p > 0.
-        target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-        tokens = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=cdf.shape[-1] - 1)
+                u[i] = torch.rand(1, generator=self._generator, device=scaled.device)
+        if self.native is not None and scaled.dtype == torch.float32 and scaled.device.type == "cpu":
+            tokens = self.native.draw(scaled, u)  # the same rule, in two reads of each row
+        else:
+            cdf = torch.softmax(scaled, dim=-1).cumsum_(dim=-1)
+            total = cdf[:, -1:]
+            # u * total < total (a rounding up to it would pick past the last token of mass): the
+            # first index whose sum exceeds it has p > 0.
+            target = torch.minimum(u.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
+            tokens = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=cdf.shape[-1] - 1)
         if greedy:
             tokens[greedy] = row_argmax(logits[greedy])
         return tokens.tolist()
@@ -468,9 +476,12 @@ class Sampler:
         """Stages 4-6 (temperature, min-p, top-k and top-p) on processed logits: the logits of the
         distribution sampled from (greedy rows keep temperature 1 and are not cut)."""
         vocab = logits.shape[-1]
-        temps = torch.tensor([1.0 if r.greedy else r.temperature for r in rows], device=logits.device)
-        scaled = logits / temps.unsqueeze(1)
         min_p = [(i, r.min_p) for i, r in enumerate(rows) if r.min_p > 0.0 and not r.greedy]
+        temps = [1.0 if r.greedy else r.temperature for r in rows]
+        if any(t != 1.0 for t in temps):
+            scaled = logits / torch.tensor(temps, device=logits.device).unsqueeze(1)
+        else:  # x / 1 is x: no row-sized division; a copy only where min_p cuts in place
+            scaled = logits.clone() if min_p else logits
         if min_p:
             _min_p(scaled, min_p)
         if any(0 < r.top_k < vocab or r.top_p < 1.0 for r in rows):

@@ -1,10 +1,13 @@
-"""The native decode-attention kernel (``worker/native_attention.py``, ``native/paged_decode.c``)
+"""The native CPU kernels (``worker/native_kernels.py``). Decode attention (``native/paged_decode.c``)
 against torch's path on the same paged cache: random pools, block tables in random order, grouped
 heads, every head size the kernel specialises and one it does not, contexts of one token and of whole
-blocks, the batch split across threads; and its build: cached, keyed, refused clearly."""
+blocks, the batch split across threads. The draw (``native/inverse_cdf.c``) against the float64
+inverse of each row's cumulative sum, at its edges, and never on a cut token. Their build: cached,
+keyed, refused clearly."""
 
 from __future__ import annotations
 
+import math
 import stat
 from pathlib import Path
 
@@ -12,13 +15,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trioserve.worker.native_attention import BuildFailed, NativeDecode, build, native_decode
+from trioserve.worker.native_kernels import BuildFailed, NativeKernels, build, native_kernels
 from trioserve.worker.paged_attention import gather
 
 
 @pytest.fixture(scope="module")
-def kernel() -> NativeDecode:
-    return NativeDecode(build())
+def kernel() -> NativeKernels:
+    return NativeKernels(build())
 
 
 def paged_case(
@@ -67,33 +70,33 @@ def torch_reference(
     [(4, 4, 32, 16), (9, 3, 64, 16), (4, 2, 16, 4), (8, 1, 128, 8), (6, 2, 24, 5), (2, 2, 1, 3)],
 )
 def test_equals_the_gathered_sdpa(
-    kernel: NativeDecode, heads: int, kv_heads: int, dim: int, block_size: int
+    kernel: NativeKernels, heads: int, kv_heads: int, dim: int, block_size: int
 ) -> None:
     for seed in range(4):
         q, keys, values, tables, lens = paged_case(seed, 7, heads, kv_heads, dim, block_size)
         scale = dim**-0.5
-        got = kernel(q, keys, values, tables, lens, scale)
+        got = kernel.decode(q, keys, values, tables, lens, scale)
         torch.testing.assert_close(
             got, torch_reference(q, keys, values, tables, lens, scale), rtol=1e-5, atol=1e-5
         )
 
 
-def test_context_edges_one_token_and_whole_blocks(kernel: NativeDecode) -> None:
+def test_context_edges_one_token_and_whole_blocks(kernel: NativeKernels) -> None:
     bs = 4
     q, keys, values, tables, lens = paged_case(
         9, 6, 4, 2, 16, bs, lens=[1, bs, bs + 1, 2 * bs, 3 * bs - 1, 1]
     )
-    got = kernel(q, keys, values, tables, lens, 0.3)
+    got = kernel.decode(q, keys, values, tables, lens, 0.3)
     torch.testing.assert_close(got, torch_reference(q, keys, values, tables, lens, 0.3), rtol=1e-5, atol=1e-5)
     # One position: the output is that position's value row, whatever the query.
     first = tables[0, 0]
     torch.testing.assert_close(got[0].view(2, 2, 16), values[first, 0].unsqueeze(1).expand(2, 2, 16))
 
 
-def test_reads_nothing_past_a_context(kernel: NativeDecode) -> None:
+def test_reads_nothing_past_a_context(kernel: NativeKernels) -> None:
     """Positions past ``lens`` and the padding blocks change nothing: poisoned with NaN, still exact."""
     q, keys, values, tables, lens = paged_case(3, 5, 4, 4, 32, 8, lens=[3, 17, 8, 1, 12])
-    clean = kernel(q, keys, values, tables, lens, 0.2)
+    clean = kernel.decode(q, keys, values, tables, lens, 0.2)
     for b, n in enumerate(lens.tolist()):
         for p in range(n, tables.shape[1] * 8):
             block = tables[b, p // 8]
@@ -101,28 +104,82 @@ def test_reads_nothing_past_a_context(kernel: NativeDecode) -> None:
                 continue  # a padding entry: block 0 may be another context's block
             keys[block, p % 8] = float("nan")
             values[block, p % 8] = float("nan")
-    assert torch.equal(kernel(q, keys, values, tables, lens, 0.2), clean)
+    assert torch.equal(kernel.decode(q, keys, values, tables, lens, 0.2), clean)
 
 
-def test_a_split_batch_is_bit_identical_to_one_thread(kernel: NativeDecode) -> None:
+def test_a_split_batch_is_bit_identical_to_one_thread(kernel: NativeKernels) -> None:
     """Each request is computed by one thread from its own data, so the split changes no bit: what the
     thread learner's bit-exact shadow passes rely on."""
     q, keys, values, tables, lens = paged_case(5, 37, 9, 3, 64, 16)
-    one = kernel(q, keys, values, tables, lens, 0.125)
+    one = kernel.decode(q, keys, values, tables, lens, 0.125)
     for threads in (2, 3, 8):
-        assert torch.equal(kernel(q, keys, values, tables, lens, 0.125, threads=threads), one)
+        assert torch.equal(kernel.decode(q, keys, values, tables, lens, 0.125, threads=threads), one)
 
 
-def test_refuses_what_it_cannot_read(kernel: NativeDecode) -> None:
+def test_refuses_what_it_cannot_read(kernel: NativeKernels) -> None:
     q, keys, values, tables, lens = paged_case(1, 3, 4, 2, 16, 4)
     with pytest.raises(ValueError, match="unsupported"):
-        kernel(q.double(), keys, values, tables, lens, 1.0)
+        kernel.decode(q.double(), keys, values, tables, lens, 1.0)
     with pytest.raises(ValueError, match="unsupported"):
-        kernel(q, keys.transpose(1, 2), values.transpose(1, 2), tables, lens, 1.0)
+        kernel.decode(q, keys.transpose(1, 2), values.transpose(1, 2), tables, lens, 1.0)
     with pytest.raises(ValueError, match="unsupported"):
-        kernel(q, keys, values, tables.int(), lens, 1.0)
+        kernel.decode(q, keys, values, tables.int(), lens, 1.0)
     with pytest.raises(ValueError, match="unsupported"):
-        kernel(q[:, :3], keys, values, tables, lens, 1.0)  # 3 heads over 2 kv heads
+        kernel.decode(q[:, :3], keys, values, tables, lens, 1.0)  # 3 heads over 2 kv heads
+
+
+def float64_inverse(logits: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's cumulative probabilities in float64 and the target ``u`` falls on."""
+    cdf = torch.softmax(logits.double(), dim=-1).cumsum(dim=-1)
+    return cdf, u.double().unsqueeze(1) * cdf[:, -1:]
+
+
+@pytest.mark.parametrize("vocab", [49152, 1000, 257, 256, 7, 1])
+def test_the_draw_inverts_the_cumulative_sum(kernel: NativeKernels, vocab: int) -> None:
+    """The token's interval of the float64 cumulative sum holds the target, to float32 rounding."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(64, vocab, generator=g) * 4
+    u = torch.rand(64, generator=g)
+    tokens = kernel.draw(logits, u)
+    cdf, target = float64_inverse(logits, u)
+    for r, j in enumerate(tokens.tolist()):
+        below = float(cdf[r, j - 1]) if j else 0.0
+        assert below - 1e-5 <= float(target[r]) < float(cdf[r, j]) + 1e-5, (r, j)
+
+
+def test_the_draw_at_its_edges(kernel: NativeKernels) -> None:
+    """u = 0 takes the first token of positive weight, u just under 1 the last; a row with no weight
+    at all takes token 0."""
+    logits = torch.full((4, 1000), float("-inf"))
+    logits[:, [3, 500, 998]] = torch.tensor([0.0, 1.0, -1.0])
+    logits[3] = float("-inf")
+    u = torch.tensor([0.0, torch.nextafter(torch.tensor(1.0), torch.tensor(0.0)).item(), 0.5, 0.5])
+    assert kernel.draw(logits, u).tolist() == [3, 998, 500, 0]
+
+
+def test_the_draw_follows_the_distribution_and_never_takes_a_cut_token(kernel: NativeKernels) -> None:
+    vocab, n = 3000, 20000
+    g = torch.Generator().manual_seed(7)
+    row = torch.full((vocab,), -30.0)
+    kept = torch.tensor([5, 700, vocab - 1])
+    row[kept] = torch.tensor([2.0, 1.0, 0.0])
+    cut = torch.randperm(vocab, generator=g)[:1000]
+    cut = cut[~torch.isin(cut, kept)]
+    row[cut] = float("-inf")
+    tokens = kernel.draw(row.repeat(n, 1), torch.rand(n, generator=g))
+    counts = torch.bincount(tokens, minlength=vocab)
+    assert int(counts[cut].sum()) == 0
+    probs = torch.softmax(row.double(), dim=-1)
+    for token in kept.tolist():
+        expected = n * float(probs[token])
+        assert abs(int(counts[token]) - expected) < 5 * math.sqrt(expected), (token, int(counts[token]))
+
+
+def test_the_draw_refuses_what_it_cannot_read(kernel: NativeKernels) -> None:
+    with pytest.raises(ValueError, match="unsupported"):
+        kernel.draw(torch.zeros(2, 5, dtype=torch.float64), torch.zeros(2))
+    with pytest.raises(ValueError, match="unsupported"):
+        kernel.draw(torch.zeros(2, 5), torch.zeros(3))
 
 
 def test_built_once_then_taken_from_the_cache(tmp_path: Path) -> None:
@@ -166,15 +223,15 @@ def test_the_compiler_is_part_of_the_key(tmp_path: Path) -> None:
 
 def test_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert native_decode("torch", cpu, torch.float32) is None
-    assert native_decode("auto", cuda, torch.bfloat16) is None
-    assert native_decode("auto", cpu, torch.bfloat16) is None
-    assert isinstance(native_decode("auto", cpu, torch.float32), NativeDecode)
+    assert native_kernels("torch", cpu, torch.float32) is None
+    assert native_kernels("auto", cuda, torch.bfloat16) is None
+    assert native_kernels("auto", cpu, torch.bfloat16) is None
+    assert isinstance(native_kernels("auto", cpu, torch.float32), NativeKernels)
     with pytest.raises(ValueError, match="CPU in float32"):
-        native_decode("native", cuda, torch.float32)
+        native_kernels("native", cuda, torch.float32)
     with pytest.raises(ValueError, match="auto, native or torch"):
-        native_decode("fast", cpu, torch.float32)
+        native_kernels("fast", cpu, torch.float32)
     monkeypatch.setenv("CC", "no-such-compiler-here")
-    assert native_decode("auto", cpu, torch.float32) is None  # logged, torch's path kept
+    assert native_kernels("auto", cpu, torch.float32) is None  # logged, torch's path kept
     with pytest.raises(ValueError, match="did not build: no C compiler"):
-        native_decode("native", cpu, torch.float32)
+        native_kernels("native", cpu, torch.float32)

@@ -1,23 +1,24 @@
-"""Decode attention that reads the paged KV cache in place: ``native/paged_decode.c``, compiled on the
-machine that runs it and called through ``ctypes`` (issue 18, item 2).
+"""The CPU worker's two native kernels, compiled on the machine that runs them and called through
+``ctypes`` (issue 18, item 2): decode attention that reads the paged KV cache in place
+(``native/paged_decode.c``) and the sampler's draw (``native/inverse_cdf.c``).
 
-Why a plain C file and not torch's extension tooling: the kernel needs raw float pointers, nothing of
-ATen, so it includes no torch header and builds in a fraction of a second with the C compiler a fresh
+Why plain C files and not torch's extension tooling: the kernels need raw float pointers, nothing of
+ATen, so they include no torch header and build in a fraction of a second with the C compiler a fresh
 machine has (``cc``), where anything including ``torch/extension.h`` takes tens of seconds to compile
 (and ``load_inline`` wants ninja too): a first start would pay that. ``ctypes`` releases the GIL for
-the call, which is what lets several threads share one batch (``NativeDecode.__call__``).
+the call, which is what lets several threads share one batch (``NativeKernels.decode``).
 
 Rules:
 
-- ``build()`` returns the shared object for this source, these flags, this compiler and this CPU, from
+- ``build()`` returns the shared object for these sources, these flags, this compiler and this CPU, from
   ``$XDG_CACHE_HOME/trioserve/kernels/`` when built there before, else compiled into it: written under
   a private name and renamed onto the final one, so racing workers (several engine ranks starting
   together) each see a whole file or none. It returns ``None`` and says why (``BuildFailed``) when
   there is no compiler or the build fails; the caller then keeps the pure-torch path.
 - ``-march=native`` makes the object specific to the CPU it was built on, so the CPU's model name and
   flags are part of the cache key: a cache folder shared between machines never hands one the other's.
-- The kernel's contract (shapes, float32, contiguity, valid block ids) is in the C file's header;
-  ``NativeDecode`` checks the shapes and dtypes it is handed, once per call, because a wrong pointer
+- Each kernel's contract (shapes, float32, contiguity, valid block ids) is in its C file's header;
+  ``NativeKernels`` checks the shapes and dtypes it is handed, once per call, because a wrong pointer
   there is a crash, not an exception.
 """
 
@@ -41,9 +42,11 @@ from trioserve.models.cached_folder import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCE: Final = Path(__file__).with_name("native") / "paged_decode.c"
+SOURCES: Final = tuple(
+    Path(__file__).with_name("native") / name for name in ("paged_decode.c", "inverse_cdf.c")
+)
 FLAGS: Final = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp-simd", "-shared", "-fPIC")
-SYMBOL: Final = "trioserve_paged_decode"
+CHUNK: Final = 256  # inverse_cdf.c's CHUNK: its sums buffer holds vocab // CHUNK + 1 floats
 # Below this many requests per thread the split is not worth a thread hand-off (a few microseconds).
 MIN_ROWS_PER_THREAD: Final = 4
 
@@ -63,7 +66,7 @@ def _cpu_identity() -> str:
 
 
 def build(compiler: str | None = None, root: Path | None = None) -> Path:
-    """The kernel's shared object, built once per source, flags, compiler and CPU (the rules above).
+    """The kernels' shared object, built once per sources, flags, compiler and CPU (the rules above).
     Raises ``BuildFailed`` when it cannot be built."""
     cc = compiler or os.environ.get("CC") or "cc"
     exe = shutil.which(cc)
@@ -75,20 +78,20 @@ def build(compiler: str | None = None, root: Path | None = None) -> Path:
         ).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise BuildFailed(f"{cc} --version failed: {exc}") from exc
-    source = SOURCE.read_bytes()
+    sources = [path.read_bytes() for path in SOURCES]
     key = hashlib.sha256(
-        b"\0".join([source, " ".join(FLAGS).encode(), version.encode(), _cpu_identity().encode()])
+        b"\0".join([*sources, " ".join(FLAGS).encode(), version.encode(), _cpu_identity().encode()])
     ).hexdigest()[:20]
     folder = root or cache_root("kernels")
-    final = folder / f"paged_decode-{key}.so"
+    final = folder / f"cpu_kernels-{key}.so"
     if final.exists():
         return final
     folder.mkdir(parents=True, exist_ok=True)
-    fd, staging = tempfile.mkstemp(prefix=".paged_decode-", suffix=".so", dir=folder)
+    fd, staging = tempfile.mkstemp(prefix=".cpu_kernels-", suffix=".so", dir=folder)
     os.close(fd)
     try:
         done = subprocess.run(
-            [exe, *FLAGS, "-o", staging, str(SOURCE), "-lm"],
+            [exe, *FLAGS, "-o", staging, *map(str, SOURCES), "-lm"],
             check=False,
             capture_output=True,
             text=True,
@@ -105,22 +108,41 @@ def build(compiler: str | None = None, root: Path | None = None) -> Path:
     return final
 
 
-class NativeDecode:
-    """The loaded kernel: ``__call__`` is one layer's decode attention for a batch."""
+class NativeKernels:
+    """The loaded kernels: ``decode`` (one layer's decode attention for a batch) and ``draw``."""
 
     def __init__(self, library: Path) -> None:
         lib = ctypes.CDLL(str(library))
-        fn = getattr(lib, SYMBOL)
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-        fn.argtypes = [ptr] * 7 + [i64] * 6 + [ctypes.c_float]
-        fn.restype = None
-        self._fn = fn
-        self._library = lib  # keeps the object mapped while _fn lives
+        self._fn = lib.trioserve_paged_decode
+        self._fn.argtypes = [ptr] * 7 + [i64] * 6 + [ctypes.c_float]
+        self._fn.restype = None
+        self._draw = lib.trioserve_inverse_cdf
+        self._draw.argtypes = [ptr] * 4 + [i64] * 2
+        self._draw.restype = None
+        self._library = lib  # keeps the object mapped while its functions live
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
         self._scratch: list[torch.Tensor] = []
 
-    def __call__(
+    def draw(self, logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """``inverse_cdf.c``: ``logits`` ``[rows, vocab]`` float32 (the warped ones), ``u`` ``[rows]``
+        float32 in ``[0, 1)`` -> ``[rows]`` int64 token ids."""
+        rows, vocab = logits.shape
+        if (
+            logits.dtype != torch.float32
+            or u.dtype != torch.float32
+            or u.shape != (rows,)
+            or logits.device.type != "cpu"
+        ):
+            raise ValueError("native draw: unsupported shapes, dtypes or device")
+        logits, u = logits.contiguous(), u.contiguous()
+        out = torch.empty(rows, dtype=torch.long)
+        sums = torch.empty(vocab // CHUNK + 1)
+        self._draw(logits.data_ptr(), u.data_ptr(), out.data_ptr(), sums.data_ptr(), rows, vocab)
+        return out
+
+    def decode(
         self,
         q: torch.Tensor,
         key_cache: torch.Tensor,
@@ -199,24 +221,26 @@ class NativeDecode:
         return out
 
 
-def native_decode(mode: str, device: torch.device, dtype: torch.dtype) -> NativeDecode | None:
-    """The kernel ``WorkerConfig.attention_backend`` asks for on ``device`` in ``dtype``: ``None`` for
-    torch's path. ``auto`` falls back to torch (logged) where the kernel does not apply or build;
-    ``native`` raises ``ValueError`` there instead, so a worker asked for it never silently runs
-    without it."""
+def native_kernels(mode: str, device: torch.device, dtype: torch.dtype) -> NativeKernels | None:
+    """The kernels ``WorkerConfig.cpu_kernels`` asks for on ``device`` in ``dtype``: ``None`` for
+    torch's paths. ``auto`` falls back to torch (logged) where the kernels do not apply or build;
+    ``native`` raises ``ValueError`` there instead, so a worker asked for them never silently runs
+    without them."""
     if mode not in ("auto", "native", "torch"):
-        raise ValueError(f"attention backend {mode!r}: auto, native or torch")
+        raise ValueError(f"cpu kernels {mode!r}: auto, native or torch")
     if mode == "torch":
         return None
     if device.type != "cpu" or dtype != torch.float32:
         if mode == "native":
-            raise ValueError(f"the native attention backend runs on the CPU in float32, not {device} {dtype}")
+            raise ValueError(f"the native CPU kernels run on the CPU in float32, not {device} {dtype}")
         return None
     try:
         library = build()
     except BuildFailed as exc:
         if mode == "native":
-            raise ValueError(f"the native attention backend did not build: {exc}") from exc
-        log.warning("decode attention: the native kernel did not build (%s); using torch's", exc)
+            raise ValueError(f"the native CPU kernels did not build: {exc}") from exc
+        log.warning(
+            "the native CPU kernels did not build (%s); decode attention and the draw use torch's", exc
+        )
         return None
-    return NativeDecode(library)
+    return NativeKernels(library)
