@@ -190,7 +190,8 @@ def transformers_child(model_dir: str, prompts_path: str, output_len: int) -> No
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     config = GenerationConfig(max_new_tokens=output_len, do_sample=False, eos_token_id=None)
     prompts: dict[str, list[list[int]]] = json.loads(Path(prompts_path).read_text())
-    model.generate_batch(prompts["1"][:1], generation_config=config, progress_bar=False)  # warm-up
+    first = next(iter(prompts.values()))
+    model.generate_batch(first[:1], generation_config=config, progress_bar=False)  # warm-up
     for n, batch in prompts.items():
         started = time.perf_counter()
         out = model.generate_batch(

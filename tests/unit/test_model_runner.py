@@ -4,6 +4,7 @@ Qwen3 models (hidden 64, 2 layers: milliseconds per step)."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -48,8 +49,8 @@ def model(request: pytest.FixtureRequest) -> Any:
 
 @pytest.fixture(params=["auto", "torch"], autouse=True)
 def cpu_kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Every test here twice: decode attention read in place by the native kernel (``auto`` on the
-    CPU) and gathered for torch's SDPA."""
+    """Every test here twice: with the CPU fast paths (``auto``: decode attention read in place and
+    the draw by the native kernels, the linears packed for oneDNN) and with torch's own."""
     monkeypatch.setattr(Engine, "cpu_kernels", request.param)
     return str(request.param)
 
@@ -79,6 +80,10 @@ class Engine:
         )
         config.update(limits)
         self.scheduler = Scheduler(SchedulerConfig(**config))
+        fast = self.cpu_kernels == "auto" and model.device.type == "cpu"
+        linears = sum(type(m) is torch.nn.Linear for m in model.modules())
+        if fast:  # packing replaces the linears in place: the caller's model stays generate()'s reference
+            model = copy.deepcopy(model)
         self.runner = ModelRunner(
             model,
             config["num_blocks"],
@@ -86,8 +91,9 @@ class Engine:
             tokenizer=tokenizer,
             cpu_kernels=self.cpu_kernels,
         )
-        if self.cpu_kernels == "auto" and model.device.type == "cpu":  # the kernel, not a silent fallback
-            assert self.runner.cache.native is not None
+        if fast:  # the kernels and the packed linears, not a silent fallback
+            assert self.runner.cache.native is not None and self.runner.sampler.native is not None
+            assert self.runner.packed_linears == linears
         self.tokens: dict[str, list[int]] = {}
         self.finish: dict[str, str] = {}
         self.cached: dict[str, int] = {}

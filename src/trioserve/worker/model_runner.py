@@ -67,6 +67,7 @@ from trioserve.models.shard_plan import ShardPlan
 from trioserve.protocol.messages import SamplingParams, TokenLogprobs
 from trioserve.protocol.step import SchedulerOutput
 from trioserve.protocol.worker_messages import StepResult
+from trioserve.worker import packed_linear
 from trioserve.worker.grammar import GrammarBook, GrammarState, add_bias
 from trioserve.worker.native_kernels import native_kernels
 from trioserve.worker.paged_attention import ATTN_IMPLEMENTATION, BatchLayout, PagedKVCache, PrefillSpan
@@ -174,6 +175,7 @@ class ModelRunner:
         self.load_seconds = 0.0  # set by load()
         self.vocab_size = geometry.vocab_size
         kernels = native_kernels(cpu_kernels, self.device, model.dtype)
+        self.packed_linears = _pack(model, cpu_kernels, self.device)  # 0: F.linear on the weights as loaded
         self.cache = PagedKVCache(
             geometry.num_layers,
             num_blocks,
@@ -238,7 +240,8 @@ class ModelRunner:
             runner.load_seconds,
             num_blocks,
             config.block_size,
-            "native (decode attention in place, the draw)" if runner.cache.native is not None else "torch's",
+            ("native (decode attention in place, the draw)" if runner.cache.native is not None else "torch's")
+            + f"; {runner.packed_linears} linear layers packed for oneDNN",
             shard,
         )
         return runner
@@ -579,6 +582,20 @@ class ModelRunner:
             decode_lens=lens,
             prefills=tuple(prefills),
         )
+
+
+def _pack(model: Any, cpu_kernels: str, device: torch.device) -> int:
+    """``pack_linears`` on a CPU float32 model unless ``cpu_kernels`` is ``torch`` (``native``
+    refuses a torch build without oneDNN's operators, ``auto`` goes without); how many it packed."""
+    if cpu_kernels == "torch" or device.type != "cpu" or model.dtype != torch.float32:
+        return 0
+    if not packed_linear.available():
+        if cpu_kernels == "native":
+            raise ValueError(
+                "the native CPU kernels need oneDNN (torch.backends.mkldnn), absent from this torch"
+            )
+        return 0
+    return packed_linear.pack_linears(model)
 
 
 def _span(r: range) -> str:

@@ -30,7 +30,10 @@ Every row is drawn by inverting its distribution's cumulative sum: with ``u`` un
 probability ``p_i``, and never a token of probability 0 (the sum does not rise there). A row needs one
 uniform draw, where the exponential race vLLM runs on GPUs (``argmax(p / q)``, ``q ~ Exp(1)``) needs one
 per vocabulary entry: torch's CPU ``exponential_`` took 45 ms for 32 rows of 49,152 here, the cumulative
-sum 2 ms. A seeded row draws its uniform from its own generator, re-seeded from ``(seed, output
+sum 2 ms. On the CPU in float32 with the native kernels (``worker/native_kernels.py``), the same rule
+runs without the row-sized softmax and cumulative sum: ``native/inverse_cdf.c`` reads each row twice
+(its maximum, then sums of chunks of weights) and scans one chunk, 0.6 against 2.4 ms for those 32
+rows (softmax, cumulative sum and search; docs/benchmarks.md). A seeded row draws its uniform from its own generator, re-seeded from ``(seed, output
 index)`` for every token, so a seeded request gives the same tokens whatever else is in the batch and
 even after a preemption recomputes it (the output index is a position, not a count of calls). Stages 1-6 are
 functions of the row's own logits and history only, so the seed stays reproducible with them on.

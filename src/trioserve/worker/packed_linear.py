@@ -1,0 +1,61 @@
+"""Linear layers whose weights are reordered once, at load, into oneDNN's blocked layout (issue 18,
+item 2): the CPU worker's matrix products in float32.
+
+torch's ``F.linear`` on the CPU multiplies by the weight as stored, row-major, every call; oneDNN's
+``_linear_pointwise`` on a weight packed by ``_reorder_linear_weight`` skips that per-call work. On
+this machine, one thread, float32 (``docs/benchmarks.md``): SmolLM2's MLP products at 8 rows 0.24 ->
+0.15 ms, its LM head (576 x 49,152) at 8 rows 18.6 -> 7.6 ms and at 32 rows 32.7 -> 19.0 ms; the tiny
+model's LM head at 32 rows 4.3 -> 2.6 ms. The same products, summed in another order: results differ
+from ``F.linear``'s by float32 rounding (the runner's greedy tests against ``generate()`` run on both).
+
+Rules:
+
+- ``pack_linears`` replaces every ``nn.Linear`` of a CPU float32 model in place, tensor-parallel
+  shards included (it runs after sharding: a shard's weight is what gets packed).
+- The packing takes a batch-size hint; ``BATCH_HINT`` rows (a hint of 1 made 8- and 32-row products
+  1.3-1.8x slower here, 8 to 128 all gave the same).
+- A tied LM head gets its own packed copy; the embedding keeps the shared original.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import torch
+from torch import nn
+
+BATCH_HINT: Final = 32
+
+
+def available() -> bool:
+    """oneDNN is in this torch build with the two operators used here."""
+    ops = torch.ops.mkldnn
+    return bool(torch.backends.mkldnn.is_available()) and all(  # type: ignore[no-untyped-call]
+        hasattr(ops, name) for name in ("_reorder_linear_weight", "_linear_pointwise")
+    )
+
+
+class PackedLinear(nn.Module):
+    """``nn.Linear``'s forward on a packed copy of its weight (``[out, in]`` in oneDNN's layout)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        with torch.no_grad():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), BATCH_HINT)
+            self.bias = None if linear.bias is None else linear.bias.detach().clone()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return out
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Replace each ``nn.Linear`` of ``model`` with a ``PackedLinear``; returns how many."""
+    targets = [(name, module) for name, module in model.named_modules() if type(module) is nn.Linear]
+    for name, module in targets:
+        parent_name, _, leaf = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, leaf, PackedLinear(module))
+    return len(targets)
