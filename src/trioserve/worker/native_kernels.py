@@ -13,8 +13,8 @@ Rules:
 - ``build()`` returns the shared object for these sources, these flags, this compiler and this CPU, from
   ``$XDG_CACHE_HOME/trioserve/kernels/`` when built there before, else compiled into it: written under
   a private name and renamed onto the final one, so racing workers (several engine ranks starting
-  together) each see a whole file or none. It returns ``None`` and says why (``BuildFailed``) when
-  there is no compiler or the build fails; the caller then keeps the pure-torch path.
+  together) each see a whole file or none. It raises ``BuildFailed``, saying why, when there is no
+  compiler or the build fails; ``native_kernels`` then keeps the pure-torch paths (or refuses).
 - ``-march=native`` makes the object specific to the CPU it was built on, so the CPU's model name and
   flags are part of the cache key: a cache folder shared between machines never hands one the other's.
 - Each kernel's contract (shapes, float32, contiguity, valid block ids) is in its C file's header;
@@ -114,9 +114,9 @@ class NativeKernels:
     def __init__(self, library: Path) -> None:
         lib = ctypes.CDLL(str(library))
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-        self._fn = lib.trioserve_paged_decode
-        self._fn.argtypes = [ptr] * 7 + [i64] * 6 + [ctypes.c_float]
-        self._fn.restype = None
+        self._decode = lib.trioserve_paged_decode
+        self._decode.argtypes = [ptr] * 7 + [i64] * 6 + [ctypes.c_float]
+        self._decode.restype = None
         self._draw = lib.trioserve_inverse_cdf
         self._draw.argtypes = [ptr] * 4 + [i64] * 2
         self._draw.restype = None
@@ -186,7 +186,7 @@ class NativeKernels:
         row_floats = heads * dim
 
         def run(first: int, last: int, scratch: torch.Tensor) -> None:
-            self._fn(
+            self._decode(
                 q.data_ptr() + 4 * first * row_floats,
                 k,
                 v,

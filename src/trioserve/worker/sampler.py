@@ -33,10 +33,11 @@ per vocabulary entry: torch's CPU ``exponential_`` took 45 ms for 32 rows of 49,
 sum 2 ms. On the CPU in float32 with the native kernels (``worker/native_kernels.py``), the same rule
 runs without the row-sized softmax and cumulative sum: ``native/inverse_cdf.c`` reads each row twice
 (its maximum, then sums of chunks of weights) and scans one chunk, 0.6 against 2.4 ms for those 32
-rows (softmax, cumulative sum and search; docs/benchmarks.md). A seeded row draws its uniform from its own generator, re-seeded from ``(seed, output
-index)`` for every token, so a seeded request gives the same tokens whatever else is in the batch and
-even after a preemption recomputes it (the output index is a position, not a count of calls). Stages 1-6 are
-functions of the row's own logits and history only, so the seed stays reproducible with them on.
+rows (softmax, cumulative sum and search; docs/benchmarks.md). A seeded row draws its uniform from
+its own generator, re-seeded from ``(seed, output index)`` for every token, so a seeded request gives
+the same tokens whatever else is in the batch and even after a preemption recomputes it (the output
+index is a position, not a count of calls). Stages 1-6 are functions of the row's own logits and
+history only, so the seed stays reproducible with them on.
 
 State: the penalties read per-request token histories kept in one pool on the device
 (``TokenCounts``: row ``slot`` of a request holds the distinct tokens it has seen and its output
