@@ -204,7 +204,7 @@ def main() -> None:
         "--cpu-kernels",
         default="auto",
         choices=("auto", "native", "torch"),
-        help="decode attention: the native kernel in place (auto: when it builds) or torch's gather + SDPA",
+        help="the runner's CPU fast paths (native kernels, packed linears; auto: where they build), torch's",
     )
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -226,7 +226,7 @@ def main() -> None:
     )
     heads = list(results)
     print(f"\nms per decode step ({args.steps} plain and {args.steps} instrumented steps, "
-          f"{args.prompt}-token prompts, attention {args.cpu_kernels}; "
+          f"{args.prompt}-token prompts, --cpu-kernels {args.cpu_kernels}; "
           "% of the instrumented step)\n")  # fmt: skip
     print("| part | " + " | ".join(heads) + " |")
     print("|---|" + "---|" * len(heads))

@@ -70,7 +70,7 @@ def reference_greedy(model: Any, prompt: list[int], max_tokens: int) -> list[int
 
 class Engine:
     """The pure scheduler and the runner in a loop: what the engine core does, minus processes.
-    ``attention``: the runner's decode-attention backend (this module runs every test on both)."""
+    ``cpu_kernels``: the runner's CPU fast paths (this module runs every test with and without them)."""
 
     cpu_kernels = "auto"
 
