@@ -13,6 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 
 from trioserve.engine.scheduler import Scheduler, SchedulerConfig
 from trioserve.protocol.messages import AddRequest, RequestOutput, SamplingParams
+from trioserve.worker import packed_linear
 from trioserve.worker.model_runner import ModelRunner
 from trioserve.worker.sampler import Sampler, SamplingRow
 
@@ -47,12 +48,17 @@ def model(request: pytest.FixtureRequest) -> Any:
     return tiny_model(request.param)
 
 
-@pytest.fixture(params=["auto", "torch"], autouse=True)
+@pytest.fixture(params=["auto", "all-blocked", "torch"], autouse=True)
 def cpu_kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Every test here twice: with the CPU fast paths (``auto``: decode attention read in place and
-    the draw by the native kernels, the linears packed for oneDNN) and with torch's own."""
-    monkeypatch.setattr(Engine, "cpu_kernels", request.param)
-    return str(request.param)
+    """Every test here three times: with the CPU fast paths (``auto``: decode attention read in place
+    and the draw by the native kernels; these models' linears mostly too narrow for the native blocks,
+    so packed for oneDNN), with every linear in the native blocks, and with torch's own."""
+    mode = str(request.param)
+    if mode == "all-blocked":
+        monkeypatch.setattr(packed_linear, "MIN_BLOCKED_IN", 0)
+        mode = "auto"
+    monkeypatch.setattr(Engine, "cpu_kernels", mode)
+    return mode
 
 
 def reference_greedy(model: Any, prompt: list[int], max_tokens: int) -> list[int]:
@@ -94,6 +100,9 @@ class Engine:
         if fast:  # the kernels and the packed linears, not a silent fallback
             assert self.runner.cache.native is not None and self.runner.sampler.native is not None
             assert self.runner.packed_linears == linears
+            if packed_linear.MIN_BLOCKED_IN == 0:  # the all-blocked case: every one in the native blocks
+                modules = self.runner.model.modules()
+                assert sum(isinstance(m, packed_linear.BlockedLinear) for m in modules) == linears
         self.tokens: dict[str, list[int]] = {}
         self.finish: dict[str, str] = {}
         self.cached: dict[str, int] = {}

@@ -1,44 +1,115 @@
-"""``worker/packed_linear.py``: oneDNN-packed linears compute what ``nn.Linear`` does, to float32
-rounding, on 2-D and 3-D inputs of any row count, with and without bias; every ``nn.Linear`` of a model
-is replaced and nothing else is touched."""
+"""``worker/packed_linear.py``: packed linears, in oneDNN's layout and in the native kernel's column
+blocks (``native/blocked_linear.c``), compute what ``nn.Linear`` does, to float32 rounding, on 2-D and
+3-D inputs of every row count a tile can hold and more, with and without bias, output widths that fill
+no whole block; the blocked one splits over threads bit-identically; every ``nn.Linear`` of a model is
+replaced (below ``MIN_BLOCKED_IN`` inputs by oneDNN's) and nothing else is touched."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import pytest
 import torch
 from torch import nn
 
-from trioserve.worker.packed_linear import PackedLinear, available, pack_linears
+from trioserve.worker.native_kernels import BLOCK, NativeKernels, build
+from trioserve.worker.packed_linear import (
+    MIN_BLOCKED_IN,
+    BlockedLinear,
+    PackedLinear,
+    available,
+    pack_linears,
+)
 
-pytestmark = pytest.mark.skipif(not available(), reason="this torch has no oneDNN linear operators")
+
+@pytest.fixture(scope="module")
+def kernels() -> NativeKernels:
+    return NativeKernels(build())
+
+
+@pytest.fixture(params=["onednn", "blocked"])
+def pack(request: pytest.FixtureRequest, kernels: NativeKernels) -> Callable[[nn.Linear], nn.Module]:
+    if request.param == "onednn":
+        if not available():
+            pytest.skip("this torch has no oneDNN linear operators")
+        return PackedLinear
+    return lambda linear: BlockedLinear(linear, kernels)
 
 
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("shape", [(1, 48), (7, 48), (1, 33, 48), (200, 48)])
-def test_same_products_as_the_linear(bias: bool, shape: tuple[int, ...]) -> None:
+@pytest.mark.parametrize("shape", [(1, 48), (7, 48), (8, 48), (9, 48), (1, 33, 48), (200, 48), (0, 48)])
+@pytest.mark.parametrize("out", [80, 2 * BLOCK, 5])
+def test_same_products_as_the_linear(
+    pack: Callable[[nn.Linear], nn.Module], bias: bool, shape: tuple[int, ...], out: int
+) -> None:
     torch.manual_seed(0)
-    linear = nn.Linear(48, 80, bias=bias)
-    packed = PackedLinear(linear)
+    linear = nn.Linear(48, out, bias=bias)
+    packed = pack(linear)
     x = torch.randn(*shape)
     with torch.no_grad():
         want = linear(x)
-    got = packed(x)
+        got = packed(x)
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_every_linear_of_a_model_and_only_those() -> None:
+def test_a_non_contiguous_input(kernels: NativeKernels) -> None:
+    torch.manual_seed(1)
+    linear = nn.Linear(40, 70)
+    x = torch.randn(40, 6).t()  # [6, 40], strides (1, 6)
+    with torch.no_grad():
+        torch.testing.assert_close(BlockedLinear(linear, kernels)(x), linear(x), rtol=1e-5, atol=1e-5)
+
+
+def test_split_over_threads_is_bit_identical(kernels: NativeKernels) -> None:
+    """Blocks split over 1, 2, 3 and 7 threads write the same bits (each output is one block's sum,
+    whichever thread runs it), down to ranges of a single block."""
+    torch.manual_seed(2)
+    weight, bias = torch.randn(7 * BLOCK - 3, 256), torch.randn(7 * BLOCK - 3)
+    packed = kernels.pack_linear(weight)
+    x = torch.randn(1024, 256)  # enough work for 7 threads (MIN_MACS_PER_THREAD)
+    one = kernels.linear(x, packed, weight.shape[0], bias, threads=1)
+    torch.testing.assert_close(one, x @ weight.t() + bias, rtol=1e-4, atol=1e-4)
+    for threads in (2, 3, 7, 16):
+        assert torch.equal(kernels.linear(x, packed, weight.shape[0], bias, threads=threads), one)
+
+
+def test_refuses_what_it_cannot_read(kernels: NativeKernels) -> None:
+    weight = torch.randn(40, 16)
+    packed = kernels.pack_linear(weight)
+    for bad in (
+        lambda: kernels.pack_linear(weight.double()),
+        lambda: kernels.pack_linear(weight[0]),
+        lambda: kernels.linear(torch.randn(3, 17), packed, 40),  # in features
+        lambda: kernels.linear(torch.randn(3, 16), packed, 70),  # out features: another block count
+        lambda: kernels.linear(torch.randn(3, 16).double(), packed, 40),
+        lambda: kernels.linear(torch.randn(3, 16), packed, 40, torch.randn(39)),
+    ):
+        with pytest.raises(ValueError):
+            bad()
+
+
+@pytest.mark.parametrize("layout", ["onednn", "blocked"])
+def test_every_linear_of_a_model_and_only_those(kernels: NativeKernels, layout: str) -> None:
+    """Each ``nn.Linear`` replaced (in the blocked layout from ``MIN_BLOCKED_IN`` inputs), nothing else."""
+    if not available():
+        pytest.skip("this torch has no oneDNN linear operators")
     torch.manual_seed(0)
-    embed = nn.Embedding(30, 16)
-    head = nn.Linear(16, 30, bias=False)
+    wide = MIN_BLOCKED_IN
+    embed = nn.Embedding(30, wide)
+    head = nn.Linear(wide, 30, bias=False)
     head.weight = embed.weight  # tied, as in SmolLM2
-    model = nn.Sequential(embed, nn.Sequential(nn.Linear(16, 16), nn.ReLU()), nn.LayerNorm(16), head)
+    narrow_in = nn.Linear(16, wide)
+    model = nn.Sequential(embed, nn.Linear(wide, 16), nn.ReLU(), narrow_in, nn.LayerNorm(wide), head)
     before = embed.weight.detach().clone()
     ids = torch.tensor([[1, 5, 29]])
     with torch.no_grad():
         want = model(ids)
-    assert pack_linears(model) == 2
-    assert [type(m).__name__ for m in model.modules()].count("Linear") == 0
-    assert isinstance(model[0], nn.Embedding) and isinstance(model[2], nn.LayerNorm)
-    torch.testing.assert_close(model(ids), want, rtol=1e-5, atol=1e-5)
+        assert pack_linears(model, kernels if layout == "blocked" else None) == 3
+        kind = BlockedLinear if layout == "blocked" else PackedLinear
+        assert isinstance(model[1], kind) and isinstance(model[5], kind)
+        assert isinstance(model[3], PackedLinear)  # 16 inputs: oneDNN's either way
+        assert [type(m).__name__ for m in model.modules()].count("Linear") == 0
+        assert isinstance(model[0], nn.Embedding) and isinstance(model[4], nn.LayerNorm)
+        torch.testing.assert_close(model(ids), want, rtol=1e-5, atol=1e-5)
     assert torch.equal(embed.weight, before)  # the shared weight itself is left as it was

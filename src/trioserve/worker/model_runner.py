@@ -69,7 +69,7 @@ from trioserve.protocol.step import SchedulerOutput
 from trioserve.protocol.worker_messages import StepResult
 from trioserve.worker import packed_linear
 from trioserve.worker.grammar import GrammarBook, GrammarState, add_bias
-from trioserve.worker.native_kernels import native_kernels
+from trioserve.worker.native_kernels import NativeKernels, native_kernels
 from trioserve.worker.paged_attention import ATTN_IMPLEMENTATION, BatchLayout, PagedKVCache, PrefillSpan
 from trioserve.worker.sampler import RequestProcessors, Sampler, SamplingRow, token_logprobs
 from trioserve.worker.tensor_parallel import all_reduce_min, init_group, shard_model
@@ -175,7 +175,7 @@ class ModelRunner:
         self.load_seconds = 0.0  # set by load()
         self.vocab_size = geometry.vocab_size
         kernels = native_kernels(cpu_kernels, self.device, model.dtype)
-        self.packed_linears = _pack(model, cpu_kernels, self.device)  # 0: F.linear on the weights as loaded
+        self.packed_linears = _pack(model, cpu_kernels, kernels)  # 0: F.linear on the weights as loaded
         self.cache = PagedKVCache(
             geometry.num_layers,
             num_blocks,
@@ -241,7 +241,8 @@ class ModelRunner:
             num_blocks,
             config.block_size,
             ("native (decode attention in place, the draw)" if runner.cache.native is not None else "torch's")
-            + f"; {runner.packed_linears} linear layers packed for oneDNN",
+            + f"; {runner.packed_linears} linear layers packed"
+            + (" in column blocks" if runner.cache.native is not None else " for oneDNN"),
             shard,
         )
         return runner
@@ -584,18 +585,15 @@ class ModelRunner:
         )
 
 
-def _pack(model: Any, cpu_kernels: str, device: torch.device) -> int:
-    """``pack_linears`` on a CPU float32 model unless ``cpu_kernels`` is ``torch`` (``native``
-    refuses a torch build without oneDNN's operators, ``auto`` goes without); how many it packed."""
-    if cpu_kernels == "torch" or device.type != "cpu" or model.dtype != torch.float32:
+def _pack(model: Any, cpu_kernels: str, kernels: NativeKernels | None) -> int:
+    """``pack_linears`` on a CPU float32 model unless ``cpu_kernels`` is ``torch``: in the native
+    kernels' blocks where they built, else (``auto`` only: ``native`` refused already) for oneDNN
+    where torch has it; how many it packed."""
+    if kernels is not None:
+        return packed_linear.pack_linears(model, kernels)
+    if cpu_kernels == "torch" or model.device.type != "cpu" or model.dtype != torch.float32:
         return 0
-    if not packed_linear.available():
-        if cpu_kernels == "native":
-            raise ValueError(
-                "the native CPU kernels need oneDNN (torch.backends.mkldnn), absent from this torch"
-            )
-        return 0
-    return packed_linear.pack_linears(model)
+    return packed_linear.pack_linears(model) if packed_linear.available() else 0
 
 
 def _span(r: range) -> str:

@@ -1,6 +1,7 @@
-"""The CPU worker's two native kernels, compiled on the machine that runs them and called through
+"""The CPU worker's native kernels, compiled on the machine that runs them and called through
 ``ctypes`` (issue 18, item 2): decode attention that reads the paged KV cache in place
-(``native/paged_decode.c``) and the sampler's draw (``native/inverse_cdf.c``).
+(``native/paged_decode.c``), the sampler's draw (``native/inverse_cdf.c``) and the linear layers'
+products over weights packed in column blocks (``native/blocked_linear.c``).
 
 Why plain C files and not torch's extension tooling: the kernels need raw float pointers, nothing of
 ATen, so they include no torch header and build in a fraction of a second with the C compiler a fresh
@@ -32,7 +33,9 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Final
 
@@ -43,12 +46,17 @@ from trioserve.models.cached_folder import cache_root
 log = logging.getLogger(__name__)
 
 SOURCES: Final = tuple(
-    Path(__file__).with_name("native") / name for name in ("paged_decode.c", "inverse_cdf.c")
+    Path(__file__).with_name("native") / name
+    for name in ("paged_decode.c", "inverse_cdf.c", "blocked_linear.c")
 )
 FLAGS: Final = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp-simd", "-shared", "-fPIC")
 CHUNK: Final = 256  # inverse_cdf.c's CHUNK: its sums buffer holds vocab // CHUNK + 1 floats
+BLOCK: Final = 32  # blocked_linear.c's BLOCK: output columns per packed block
 # Below this many requests per thread the split is not worth a thread hand-off (a few microseconds).
 MIN_ROWS_PER_THREAD: Final = 4
+# Below this many multiply-adds per thread a linear is not split either (~40 us of work on one core
+# here, several times a thread hand-off).
+MIN_MACS_PER_THREAD: Final = 1 << 21
 
 
 class BuildFailed(Exception):
@@ -109,7 +117,8 @@ def build(compiler: str | None = None, root: Path | None = None) -> Path:
 
 
 class NativeKernels:
-    """The loaded kernels: ``decode`` (one layer's decode attention for a batch) and ``draw``."""
+    """The loaded kernels: ``decode`` (one layer's decode attention for a batch), ``draw``, and
+    ``pack_linear`` / ``linear``."""
 
     def __init__(self, library: Path) -> None:
         lib = ctypes.CDLL(str(library))
@@ -120,6 +129,12 @@ class NativeKernels:
         self._draw = lib.trioserve_inverse_cdf
         self._draw.argtypes = [ptr] * 4 + [i64] * 2
         self._draw.restype = None
+        self._pack = lib.trioserve_pack_linear
+        self._pack.argtypes = [ptr, i64, i64, ptr]
+        self._pack.restype = None
+        self._linear = lib.trioserve_blocked_linear
+        self._linear.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, i64, i64]
+        self._linear.restype = None
         self._library = lib  # keeps the object mapped while its functions live
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
@@ -141,6 +156,62 @@ class NativeKernels:
         sums = torch.empty(vocab // CHUNK + 1)
         self._draw(logits.data_ptr(), u.data_ptr(), out.data_ptr(), sums.data_ptr(), rows, vocab)
         return out
+
+    def pack_linear(self, weight: torch.Tensor) -> torch.Tensor:
+        """``blocked_linear.c``'s packed copy of an ``[out, in]`` float32 weight (1-D)."""
+        if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+            raise ValueError("native linear: the weight must be a 2-D float32 CPU tensor")
+        n, k = weight.shape
+        weight = weight.contiguous()
+        packed = torch.empty(-(-n // BLOCK) * k * BLOCK)
+        self._pack(weight.data_ptr(), n, k, packed.data_ptr())
+        return packed
+
+    def linear(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        out_features: int,
+        bias: torch.Tensor | None = None,
+        threads: int = 1,
+    ) -> torch.Tensor:
+        """``x`` ``[..., in]`` float32 times the weight ``pack_linear`` packed (``out_features``
+        rows), plus ``bias`` ``[out]`` -> ``[..., out]``. With ``threads > 1`` the column blocks are
+        split into that many contiguous ranges, each run on its own thread (the calling one included)."""
+        k = x.shape[-1]
+        blocks = -(-out_features // BLOCK)
+        if (
+            x.dtype != torch.float32
+            or x.device.type != "cpu"
+            or packed.dtype != torch.float32
+            or packed.shape != (blocks * k * BLOCK,)
+            or (bias is not None and (bias.dtype != torch.float32 or bias.shape != (out_features,)))
+        ):
+            raise ValueError("native linear: unsupported shapes, dtypes or device")
+        rows = x.reshape(-1, k).contiguous()
+        m = rows.shape[0]
+        out = torch.empty(*x.shape[:-1], out_features)
+        if m == 0:
+            return out
+        b = 0 if bias is None else bias.contiguous().data_ptr()
+        args = (rows.data_ptr(), m, k, packed.data_ptr(), out_features, b or None, out.data_ptr())
+        parts = max(1, min(threads, blocks, m * k * out_features // MIN_MACS_PER_THREAD))
+        bounds = [blocks * i // parts for i in range(parts + 1)]
+        self._split([partial(self._linear, *args, bounds[i], bounds[i + 1]) for i in range(parts)])
+        return out
+
+    def _split(self, calls: list[Callable[[], object]]) -> None:
+        """Run ``calls``: the first on this thread, the others at once on the pool's (ctypes releases
+        the GIL in each)."""
+        if len(calls) > 1 and (self._pool is None or self._pool_size < len(calls) - 1):
+            if self._pool is not None:
+                self._pool.shutdown()
+            self._pool = ThreadPoolExecutor(len(calls) - 1, thread_name_prefix="native-kernels")
+            self._pool_size = len(calls) - 1
+        futures = [self._pool.submit(call) for call in calls[1:]] if self._pool is not None else []
+        calls[0]()
+        for future in futures:
+            future.result()
 
     def decode(
         self,
@@ -203,21 +274,8 @@ class NativeKernels:
                 scale,
             )
 
-        if parts == 1:
-            run(0, batch, self._scratch[0])
-            return out
-        if self._pool is None or self._pool_size < parts - 1:
-            if self._pool is not None:
-                self._pool.shutdown()
-            self._pool = ThreadPoolExecutor(parts - 1, thread_name_prefix="native-decode")
-            self._pool_size = parts - 1
         bounds = [batch * i // parts for i in range(parts + 1)]
-        futures = [
-            self._pool.submit(run, bounds[i], bounds[i + 1], self._scratch[i]) for i in range(1, parts)
-        ]
-        run(bounds[0], bounds[1], self._scratch[0])
-        for future in futures:
-            future.result()
+        self._split([partial(run, bounds[i], bounds[i + 1], self._scratch[i]) for i in range(parts)])
         return out
 
 

@@ -1,5 +1,6 @@
-"""Linear layers whose weights are reordered once, at load, into oneDNN's blocked layout (issue 18,
-item 2): the CPU worker's matrix products in float32.
+"""Linear layers whose weights are reordered once, at load (issue 18, item 2): the CPU worker's matrix
+products in float32, on the native kernel's column blocks (``BlockedLinear``, ``native/blocked_linear.c``)
+where the native kernels built, else on oneDNN's layout (``PackedLinear``).
 
 torch's ``F.linear`` on the CPU multiplies by the weight as stored, row-major, every call; oneDNN's
 ``_linear_pointwise`` on a weight packed by ``_reorder_linear_weight`` skips that per-call work. On
@@ -12,8 +13,15 @@ Rules:
 
 - ``pack_linears`` replaces every ``nn.Linear`` of a CPU float32 model in place, tensor-parallel
   shards included (it runs after sharding: a shard's weight is what gets packed).
-- The packing takes a batch-size hint; ``BATCH_HINT`` rows (a hint of 1 made 8- and 32-row products
-  1.3-1.8x slower here, 8 to 128 all gave the same).
+- oneDNN's packing takes a batch-size hint; ``BATCH_HINT`` rows (a hint of 1 made 8- and 32-row
+  products 1.3-1.8x slower here, 8 to 128 all gave the same).
+- The native blocks read a weight near the core's memory bandwidth at a few rows, where oneDNN's
+  layout reads it at about half (``bench/linear_products.py``: one thread, weights not in cache, 1-8
+  rows 1.4-2.1x faster, 32 rows 1.04-1.09x, 1,024 rows within 3 %, both near the core's peak), so
+  with them no oneDNN copy is kept. Each splits its column blocks over torch's thread count at the call.
+- Except below ``MIN_BLOCKED_IN`` inputs, where the product is mostly its output's writes and oneDNN
+  is faster where torch has it (the tiny model's LM head, 64 -> 49,152: at 32 rows 2.71 against 2.99
+  ms, at 128 rows 8.93 against 11.4 ms).
 - A tied LM head gets its own packed copy; the embedding keeps the shared original.
 """
 
@@ -24,7 +32,10 @@ from typing import Final
 import torch
 from torch import nn
 
+from trioserve.worker.native_kernels import NativeKernels
+
 BATCH_HINT: Final = 32
+MIN_BLOCKED_IN: Final = 128
 
 
 def available() -> bool:
@@ -51,11 +62,34 @@ class PackedLinear(nn.Module):
         return out
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace each ``nn.Linear`` of ``model`` with a ``PackedLinear``; returns how many."""
+class BlockedLinear(nn.Module):
+    """``nn.Linear``'s forward by ``blocked_linear.c`` on its weight packed in column blocks."""
+
+    def __init__(self, linear: nn.Linear, kernels: NativeKernels) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.kernels = kernels
+        with torch.no_grad():
+            self.packed = kernels.pack_linear(linear.weight.detach())
+            self.bias = None if linear.bias is None else linear.bias.detach().clone()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.linear(x, self.packed, self.out_features, self.bias, torch.get_num_threads())
+
+
+def pack_linears(model: nn.Module, kernels: NativeKernels | None = None) -> int:
+    """Replace each ``nn.Linear`` of ``model`` with a ``BlockedLinear`` on ``kernels``, or a
+    ``PackedLinear`` without them or (where oneDNN is here) below ``MIN_BLOCKED_IN`` inputs; returns
+    how many."""
+    onednn = available()
     targets = [(name, module) for name, module in model.named_modules() if type(module) is nn.Linear]
     for name, module in targets:
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, leaf, PackedLinear(module))
+        if kernels is not None and (module.in_features >= MIN_BLOCKED_IN or not onednn):
+            packed: nn.Module = BlockedLinear(module, kernels)
+        else:
+            packed = PackedLinear(module)
+        setattr(parent, leaf, packed)
     return len(targets)
