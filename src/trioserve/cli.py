@@ -430,9 +430,9 @@ def _engine_flags(p: argparse.ArgumentParser, *, serve: bool) -> None:
     g.add(
         "--cpu-kernels",
         "cpu_kernels",
-        "model, CPU float32: decode attention read in place, the draw and the linears (weights repacked "
-        "at load) by C kernels compiled here (native; refused where they cannot run), or torch's own ops "
-        "(torch); auto: each fast path where it builds",
+        "model, CPU float32: decode attention read in place, the draw, the linears (weights repacked at "
+        "load) and the MLPs' SiLU by C kernels compiled here (native; refused where they cannot run), "
+        "or torch's own ops (torch); auto: each fast path where it builds",
         choices=True,
     )
     g.add(

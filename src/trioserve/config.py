@@ -264,9 +264,9 @@ class WorkerConfig(_Section, frozen=True):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on cuda, fp32 on cpu
     kv_cache_gib: PositiveFloat = 2.0
     # The CPU worker's float32 fast paths: "native" reads the paged KV cache in place for decode
-    # attention, draws tokens and multiplies by the linears' weights (repacked at load in column blocks,
-    # worker/packed_linear.py) with C kernels compiled here (worker/native_kernels.py), refused where
-    # they cannot run; "torch": torch's own
+    # attention, draws tokens, multiplies by the linears' weights (repacked at load in column blocks,
+    # worker/packed_linear.py) and runs the MLPs' SiLU(gate) * up (worker/native_mlp.py) with C kernels
+    # compiled here (worker/native_kernels.py), refused where they cannot run; "torch": torch's own
     # ops; "auto": each fast path where it builds. Other devices and dtypes: torch always.
     cpu_kernels: Literal["auto", "native", "torch"] = "auto"
     worker_threads: NonNegative = 0  # torch CPU threads per worker, capped by its budget; 0: half of it

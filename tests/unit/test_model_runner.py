@@ -51,8 +51,9 @@ def model(request: pytest.FixtureRequest) -> Any:
 @pytest.fixture(params=["auto", "all-blocked", "torch"], autouse=True)
 def cpu_kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Every test here three times: with the CPU fast paths (``auto``: decode attention read in place
-    and the draw by the native kernels; these models' linears mostly too narrow for the native blocks,
-    so packed for oneDNN), with every linear in the native blocks, and with torch's own."""
+    and the draw by the native kernels, the MLPs' SiLU fused; these models' linears mostly too narrow
+    for the native blocks, so packed for oneDNN), with every linear in the native blocks, and with
+    torch's own."""
     mode = str(request.param)
     if mode == "all-blocked":
         monkeypatch.setattr(packed_linear, "MIN_BLOCKED_IN", 0)
@@ -100,6 +101,7 @@ class Engine:
         if fast:  # the kernels and the packed linears, not a silent fallback
             assert self.runner.cache.native is not None and self.runner.sampler.native is not None
             assert self.runner.packed_linears == linears
+            assert self.runner.fused_mlps == model.config.num_hidden_layers
             if packed_linear.MIN_BLOCKED_IN == 0:  # the all-blocked case: every one in the native blocks
                 modules = self.runner.model.modules()
                 assert sum(isinstance(m, packed_linear.BlockedLinear) for m in modules) == linears

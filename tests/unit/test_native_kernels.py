@@ -1,9 +1,9 @@
 """The native CPU kernels (``worker/native_kernels.py``). Decode attention (``native/paged_decode.c``)
 against torch's path on the same paged cache: random pools, block tables in random order, grouped
 heads, every head size the kernel specialises and one it does not, contexts of one token and of whole
-blocks, the batch split across threads. The draw (``native/inverse_cdf.c``) against the float64
-inverse of each row's cumulative sum, at its edges, and never on a cut token. Their build: cached,
-keyed, refused clearly."""
+blocks, the batch split across threads. SiLU(gate) * up (``native/silu_mul.c``) against torch's. The
+draw (``native/inverse_cdf.c``) against the float64 inverse of each row's cumulative sum, at its edges,
+and never on a cut token. Their build: cached, keyed (the shared header too), refused clearly."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trioserve.worker.native_kernels import BuildFailed, NativeKernels, build, native_kernels
+from trioserve.worker import native_kernels as native_kernels_module
+from trioserve.worker.native_kernels import HEADERS, BuildFailed, NativeKernels, build, native_kernels
 from trioserve.worker.paged_attention import gather
 
 
@@ -182,6 +183,36 @@ def test_the_draw_refuses_what_it_cannot_read(kernel: NativeKernels) -> None:
         kernel.draw(torch.zeros(2, 5), torch.zeros(3))
 
 
+def test_silu_mul_is_torchs_to_a_few_ulp(kernel: NativeKernels) -> None:
+    """Against ``F.silu(g) * u`` in float64, over ordinary values, both signs' tails (where the
+    logistic is 0 or 1 exactly), zeros and the largest finite floats' neighbourhood of the exp's cut."""
+    g = torch.cat(
+        [torch.randn(10_000) * 6, torch.tensor([0.0, -0.0, 87.5, -87.5, 88.0, -88.0, 200.0, -200.0])]
+    )
+    u = torch.randn(g.numel())
+    want = (F.silu(g.double()) * u.double()).float()
+    got = kernel.silu_mul(g.clone(), u)
+    torch.testing.assert_close(got, want, rtol=4e-7, atol=1e-30)
+    assert torch.all(torch.isfinite(got))
+
+
+def test_silu_mul_writes_over_a_contiguous_gate_only(kernel: NativeKernels) -> None:
+    g, u = torch.randn(6, 10), torch.randn(6, 10)
+    want = F.silu(g) * u
+    inplace = g.clone()
+    assert kernel.silu_mul(inplace, u).data_ptr() == inplace.data_ptr()
+    torch.testing.assert_close(inplace, want)
+    strided = g.t().contiguous().t()  # same values, not contiguous: a new tensor, the gate kept
+    assert not strided.is_contiguous()
+    kept = strided.clone()
+    out = kernel.silu_mul(strided, u)
+    torch.testing.assert_close(out, want)
+    assert torch.equal(strided, kept)
+    for bad in ((g.double(), u.double()), (g, u[:, :5])):
+        with pytest.raises(ValueError, match="unsupported"):
+            kernel.silu_mul(*bad)
+
+
 def test_built_once_then_taken_from_the_cache(tmp_path: Path) -> None:
     first = build(root=tmp_path)
     made = first.stat().st_mtime_ns
@@ -219,6 +250,16 @@ def test_the_compiler_is_part_of_the_key(tmp_path: Path) -> None:
     with pytest.raises(BuildFailed):
         build(compiler=fake_compiler(tmp_path, "v2", exit_code=1), root=cache)
     assert [p.name for p in cache.iterdir()] == [real.name]
+
+
+def test_the_shared_header_is_part_of_the_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A changed ``exp_neg.h`` rebuilds: the object's name is keyed on the header's bytes too."""
+    cache = tmp_path / "cache"
+    first = build(root=cache)
+    header = tmp_path / "exp_neg.h"
+    header.write_bytes(HEADERS[0].read_bytes() + b"\n/* changed */\n")
+    monkeypatch.setattr(native_kernels_module, "HEADERS", (header,))
+    assert build(root=cache).name != first.name
 
 
 def test_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:

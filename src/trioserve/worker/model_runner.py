@@ -70,6 +70,7 @@ from trioserve.protocol.worker_messages import StepResult
 from trioserve.worker import packed_linear
 from trioserve.worker.grammar import GrammarBook, GrammarState, add_bias
 from trioserve.worker.native_kernels import NativeKernels, native_kernels
+from trioserve.worker.native_mlp import fuse_silu_mlps
 from trioserve.worker.paged_attention import ATTN_IMPLEMENTATION, BatchLayout, PagedKVCache, PrefillSpan
 from trioserve.worker.sampler import RequestProcessors, Sampler, SamplingRow, token_logprobs
 from trioserve.worker.tensor_parallel import all_reduce_min, init_group, shard_model
@@ -176,6 +177,7 @@ class ModelRunner:
         self.vocab_size = geometry.vocab_size
         kernels = native_kernels(cpu_kernels, self.device, model.dtype)
         self.packed_linears = _pack(model, cpu_kernels, kernels)  # 0: F.linear on the weights as loaded
+        self.fused_mlps = 0 if kernels is None else fuse_silu_mlps(model, kernels)
         self.cache = PagedKVCache(
             geometry.num_layers,
             num_blocks,
@@ -242,7 +244,8 @@ class ModelRunner:
             config.block_size,
             ("native (decode attention in place, the draw)" if runner.cache.native is not None else "torch's")
             + f"; {runner.packed_linears} linear layers packed"
-            + (" in column blocks" if runner.cache.native is not None else " for oneDNN"),
+            + (" in column blocks" if runner.cache.native is not None else " for oneDNN")
+            + f"; {runner.fused_mlps} MLPs with a fused SiLU",
             shard,
         )
         return runner

@@ -1,7 +1,8 @@
 """The CPU worker's native kernels, compiled on the machine that runs them and called through
 ``ctypes`` (issue 18, item 2): decode attention that reads the paged KV cache in place
 (``native/paged_decode.c``), the sampler's draw (``native/inverse_cdf.c``) and the linear layers'
-products over weights packed in column blocks (``native/blocked_linear.c``).
+products over weights packed in column blocks (``native/blocked_linear.c``), and the gated MLP's
+SiLU(gate) * up (``native/silu_mul.c``).
 
 Why plain C files and not torch's extension tooling: the kernels need raw float pointers, nothing of
 ATen, so they include no torch header and build in a fraction of a second with the C compiler a fresh
@@ -47,8 +48,9 @@ log = logging.getLogger(__name__)
 
 SOURCES: Final = tuple(
     Path(__file__).with_name("native") / name
-    for name in ("paged_decode.c", "inverse_cdf.c", "blocked_linear.c")
+    for name in ("paged_decode.c", "inverse_cdf.c", "blocked_linear.c", "silu_mul.c")
 )
+HEADERS: Final = (Path(__file__).with_name("native") / "exp_neg.h",)  # in the key, not on the command line
 FLAGS: Final = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp-simd", "-shared", "-fPIC")
 CHUNK: Final = 256  # inverse_cdf.c's CHUNK: its sums buffer holds vocab // CHUNK + 1 floats
 BLOCK: Final = 32  # blocked_linear.c's BLOCK: output columns per packed block
@@ -86,7 +88,7 @@ def build(compiler: str | None = None, root: Path | None = None) -> Path:
         ).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise BuildFailed(f"{cc} --version failed: {exc}") from exc
-    sources = [path.read_bytes() for path in SOURCES]
+    sources = [path.read_bytes() for path in (*SOURCES, *HEADERS)]
     key = hashlib.sha256(
         b"\0".join([*sources, " ".join(FLAGS).encode(), version.encode(), _cpu_identity().encode()])
     ).hexdigest()[:20]
@@ -118,7 +120,7 @@ def build(compiler: str | None = None, root: Path | None = None) -> Path:
 
 class NativeKernels:
     """The loaded kernels: ``decode`` (one layer's decode attention for a batch), ``draw``, and
-    ``pack_linear`` / ``linear``."""
+    ``pack_linear`` / ``linear``, ``silu_mul``."""
 
     def __init__(self, library: Path) -> None:
         lib = ctypes.CDLL(str(library))
@@ -135,6 +137,9 @@ class NativeKernels:
         self._linear = lib.trioserve_blocked_linear
         self._linear.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, i64, i64]
         self._linear.restype = None
+        self._silu_mul = lib.trioserve_silu_mul
+        self._silu_mul.argtypes = [ptr, ptr, ptr, i64]
+        self._silu_mul.restype = None
         self._library = lib  # keeps the object mapped while its functions live
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
@@ -198,6 +203,23 @@ class NativeKernels:
         parts = max(1, min(threads, blocks, m * k * out_features // MIN_MACS_PER_THREAD))
         bounds = [blocks * i // parts for i in range(parts + 1)]
         self._split([partial(self._linear, *args, bounds[i], bounds[i + 1]) for i in range(parts)])
+        return out
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """``silu_mul.c``: ``SiLU(gate) * up`` for two float32 CPU tensors of one shape, written over
+        ``gate`` when it is contiguous (the caller's gate product, used for nothing else), else into a
+        new tensor."""
+        if (
+            gate.dtype != torch.float32
+            or up.dtype != torch.float32
+            or gate.shape != up.shape
+            or gate.device.type != "cpu"
+            or up.device.type != "cpu"
+        ):
+            raise ValueError("native silu_mul: unsupported shapes, dtypes or device")
+        up = up.contiguous()
+        out = gate if gate.is_contiguous() else gate.contiguous()
+        self._silu_mul(out.data_ptr(), up.data_ptr(), out.data_ptr(), out.numel())
         return out
 
     def _split(self, calls: list[Callable[[], object]]) -> None:

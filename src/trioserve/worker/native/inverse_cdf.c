@@ -5,7 +5,7 @@
  * Rules:
  * - logits is [rows, vocab] float32, contiguous: the warped logits (temperature, min_p, top-k, top-p
  *   applied; a cut token is -inf). u is [rows] float32 in [0, 1). out is [rows] int64.
- * - Row r's weights are w_j = e(x_j - max): e is exp to about 2 ulp (exp_neg below), exactly 0 for
+ * - Row r's weights are w_j = e(x_j - max): e is exp to about 2 ulp (exp_neg.h), exactly 0 for
  *   x_j - max below -87 (so always for a cut token); the row's maximum has weight 1.
  * - The token is the first j whose running sum of weights exceeds u * total (total: the sum of all
  *   weights, kept below itself by one rounding step), so j is drawn with probability w_j / total and a
@@ -19,32 +19,10 @@
  */
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
+
+#include "exp_neg.h"
 
 #define CHUNK 256
-
-/* exp(x) for x <= 0, vectorisable (no libm call): x = n ln2 + r, |r| <= ln2 / 2, a degree-6
- * polynomial for exp(r) (Cephes' expf coefficients), 2^n built in the exponent bits. 0 below -87,
- * where expf itself goes subnormal. */
-static inline float exp_neg(float x) {
-    const float lo = -87.0f;
-    const float c = x < lo ? lo : x;
-    const float shifter = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
-    const float n = (c * 1.44269504088896341f + shifter) - shifter;
-    float r = c - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const float y = p * r * r + r + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return x < lo ? 0.0f : y * scale;
-}
 
 static int64_t draw_row(const float *restrict x, int64_t vocab, float u, float *restrict sums) {
     float top = -INFINITY;
