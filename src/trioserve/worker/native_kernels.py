@@ -198,8 +198,9 @@ class NativeKernels:
         out = torch.empty(*x.shape[:-1], out_features)
         if m == 0:
             return out
-        b = 0 if bias is None else bias.contiguous().data_ptr()
-        args = (rows.data_ptr(), m, k, packed.data_ptr(), out_features, b or None, out.data_ptr())
+        bias = None if bias is None else bias.contiguous()  # held until the calls are done
+        b = None if bias is None else bias.data_ptr()
+        args = (rows.data_ptr(), m, k, packed.data_ptr(), out_features, b, out.data_ptr())
         parts = max(1, min(threads, blocks, m * k * out_features // MIN_MACS_PER_THREAD))
         bounds = [blocks * i // parts for i in range(parts + 1)]
         self._split([partial(self._linear, *args, bounds[i], bounds[i + 1]) for i in range(parts)])

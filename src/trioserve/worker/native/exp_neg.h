@@ -1,5 +1,4 @@
-/* exp(x) for x <= 0, shared by the native kernels that need one in a vectorised loop (inverse_cdf.c,
- * silu_mul.c): no libm call, so the compiler can vectorise the loop around it. */
+/* The native kernels' exp inside vectorised loops (inverse_cdf.c, silu_mul.c). */
 #ifndef TRIOSERVE_EXP_NEG_H
 #define TRIOSERVE_EXP_NEG_H
 
