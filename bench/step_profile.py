@@ -20,7 +20,10 @@ times on the instrumented steps. One torch thread (``torch.set_num_threads(1)``,
 ``bench/peer_compare.py``); greedy sampling. The tiny model is ``bench/peers/tiny_model.py``'s shape
 with seeded random weights; SmolLM2 is the embedded model.
 
-    .venv/bin/python bench/step_profile.py [--points tiny:32,tiny:128,smollm2:8,smollm2:32]
+    .venv/bin/python bench/step_profile.py [--points tiny:32,tiny:128,smollm2:8,smollm2:32] [--prefill]
+
+``--prefill``: the same parts for one step that prefills every point's prompts at once (the step
+every stream of ``bench/model_throughput.py`` starts with), after one such step to warm up.
 """
 
 from __future__ import annotations
@@ -195,11 +198,49 @@ def profile_point(model_dir: Path, seqs: int, prompt: int, steps: int, kernels: 
     return out
 
 
+def profile_prefill(model_dir: Path, seqs: int, prompt: int, kernels: str) -> dict[str, float]:
+    """One step prefilling ``seqs`` prompts of ``prompt`` tokens, instrumented, after one such step
+    that warms the runner up (each on a fresh scheduler, so both get the same blocks)."""
+    config = RunnerConfig(str(model_dir), seqs * 16, BLOCK, "cpu", "float32", 1, cpu_kernels=kernels)
+    runner = ModelRunner.load(config)
+    clock = Clock()
+    instrument(runner, clock)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    spent = 0.0
+    for rep in range(2):
+        scheduling = SchedulerConfig(
+            max_num_seqs=seqs,
+            max_num_batched_tokens=seqs * prompt,
+            max_model_len=prompt + 16,
+            num_blocks=runner.num_blocks,
+            block_size=BLOCK,
+        )
+        scheduler = Scheduler(scheduling)
+        for i in range(seqs):
+            ids = [(17 + 31 * i + 7 * j + rep) % runner.vocab_size for j in range(prompt)]
+            assert scheduler.add_request(AddRequest(f"w{rep}-{i}", ids, params, 0.0), 0.0) is None
+        step = scheduler.schedule(1.0)
+        assert step.total_num_scheduled_tokens == seqs * prompt, "every prompt in one step"
+        clock.on = rep == 1
+        started = time.perf_counter()
+        with clock.span("runner outside the model"):
+            runner.run(step)
+        spent = time.perf_counter() - started
+        clock.on = False
+    out = {part: clock.totals[part] for part in PARTS}
+    out["paged attention"] += out["  of it: KV gather"]
+    out["step (instrumented)"] = spent
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--points", default="tiny:32,tiny:128,smollm2:8,smollm2:32")
     parser.add_argument("--prompt", type=int, default=16)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument(
+        "--prefill", action="store_true", help="profile one step prefilling every prompt instead of decode"
+    )
     parser.add_argument(
         "--cpu-kernels",
         default="auto",
@@ -217,14 +258,29 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         dirs = {"tiny": tiny_model_dir(Path(tmp)), "smollm2": ensure_default_model()}
         for name, seqs in points:
-            results[f"{name} @ {seqs}"] = profile_point(
-                dirs[name], seqs, args.prompt, args.steps, args.cpu_kernels
-            )
+            if args.prefill:
+                results[f"{name} @ {seqs}"] = profile_prefill(dirs[name], seqs, args.prompt, args.cpu_kernels)
+            else:
+                results[f"{name} @ {seqs}"] = profile_point(
+                    dirs[name], seqs, args.prompt, args.steps, args.cpu_kernels
+                )
     print(
         "uptime (end):",
         subprocess.run(["uptime"], check=False, capture_output=True, text=True).stdout.strip(),
     )
     heads = list(results)
+    if args.prefill:
+        print(f"\nms in one step prefilling every prompt ({args.prompt} tokens each, instrumented, after "
+              f"one warm-up step; --cpu-kernels {args.cpu_kernels}; % of the step)\n")  # fmt: skip
+        print("| part | " + " | ".join(heads) + " |")
+        print("|---|" + "---|" * len(heads))
+        for part in [*PARTS, "step (instrumented)"]:
+            cells = [
+                f"{r[part] * 1e3:.1f} ({100 * r[part] / r['step (instrumented)']:.0f} %)"
+                for r in results.values()
+            ]
+            print(f"| {part.strip()} | " + " | ".join(cells) + " |")
+        return
     print(f"\nms per decode step ({args.steps} plain and {args.steps} instrumented steps, "
           f"{args.prompt}-token prompts, --cpu-kernels {args.cpu_kernels}; "
           "% of the instrumented step)\n")  # fmt: skip
