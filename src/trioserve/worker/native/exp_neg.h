@@ -1,4 +1,4 @@
-/* The native kernels' exp inside vectorised loops (inverse_cdf.c, silu_mul.c). */
+/* The native kernels' exp inside vectorised loops (inverse_cdf.c, silu_mul.c, paged_decode.c). */
 #ifndef TRIOSERVE_EXP_NEG_H
 #define TRIOSERVE_EXP_NEG_H
 
