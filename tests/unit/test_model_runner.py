@@ -102,6 +102,10 @@ class Engine:
             assert self.runner.cache.native is not None and self.runner.sampler.native is not None
             assert self.runner.packed_linears == linears
             assert self.runner.fused_mlps == model.config.num_hidden_layers
+            # per layer its attention and two norms (Qwen3: and the attention's two per-head norms),
+            # then the final norm
+            per_layer = 5 if model.config.model_type == "qwen3" else 3
+            assert self.runner.native_layers == per_layer * model.config.num_hidden_layers + 1
             if packed_linear.MIN_BLOCKED_IN == 0:  # the all-blocked case: every one in the native blocks
                 modules = self.runner.model.modules()
                 assert sum(isinstance(m, packed_linear.BlockedLinear) for m in modules) == linears

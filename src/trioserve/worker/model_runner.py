@@ -70,6 +70,7 @@ from trioserve.protocol.worker_messages import StepResult
 from trioserve.worker import packed_linear
 from trioserve.worker.grammar import GrammarBook, GrammarState, add_bias
 from trioserve.worker.native_kernels import NativeKernels, native_kernels
+from trioserve.worker.native_layers import native_layers
 from trioserve.worker.native_mlp import fuse_silu_mlps
 from trioserve.worker.paged_attention import ATTN_IMPLEMENTATION, BatchLayout, PagedKVCache, PrefillSpan
 from trioserve.worker.sampler import RequestProcessors, Sampler, SamplingRow, token_logprobs
@@ -178,6 +179,7 @@ class ModelRunner:
         kernels = native_kernels(cpu_kernels, self.device, model.dtype)
         self.packed_linears = _pack(model, cpu_kernels, kernels)  # 0: F.linear on the weights as loaded
         self.fused_mlps = 0 if kernels is None else fuse_silu_mlps(model, kernels)
+        self.native_layers = 0 if kernels is None else native_layers(model, kernels)  # norms, attention
         self.cache = PagedKVCache(
             geometry.num_layers,
             num_blocks,
@@ -245,7 +247,8 @@ class ModelRunner:
             ("native (decode attention in place, the draw)" if runner.cache.native is not None else "torch's")
             + f"; {runner.packed_linears} linear layers packed"
             + (" in column blocks" if runner.cache.native is not None else " for oneDNN")
-            + f"; {runner.fused_mlps} MLPs with a fused SiLU",
+            + f"; {runner.fused_mlps} MLPs with a fused SiLU"
+            + f"; {runner.native_layers} norms and attention modules native",
             shard,
         )
         return runner

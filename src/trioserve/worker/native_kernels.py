@@ -1,8 +1,9 @@
 """The CPU worker's native kernels, compiled on the machine that runs them and called through
 ``ctypes`` (issue 18, item 2): decode attention that reads the paged KV cache in place
 (``native/paged_decode.c``), the sampler's draw (``native/inverse_cdf.c``) and the linear layers'
-products over weights packed in column blocks (``native/blocked_linear.c``), and the gated MLP's
-SiLU(gate) * up (``native/silu_mul.c``).
+products over weights packed in column blocks (``native/blocked_linear.c``), the gated MLP's
+SiLU(gate) * up (``native/silu_mul.c``), RMSNorm (``native/rms_norm.c``) and the rotary embedding
+(``native/rope.c``).
 
 Why plain C files and not torch's extension tooling: the kernels need raw float pointers, nothing of
 ATen, so they include no torch header and build in a fraction of a second with the C compiler a fresh
@@ -48,7 +49,7 @@ log = logging.getLogger(__name__)
 
 SOURCES: Final = tuple(
     Path(__file__).with_name("native") / name
-    for name in ("paged_decode.c", "inverse_cdf.c", "blocked_linear.c", "silu_mul.c")
+    for name in ("paged_decode.c", "inverse_cdf.c", "blocked_linear.c", "silu_mul.c", "rms_norm.c", "rope.c")
 )
 HEADERS: Final = (Path(__file__).with_name("native") / "exp_neg.h",)  # in the key, not on the command line
 # -mprefer-vector-width=512: gcc 12 takes this Xeon for a Rocket Lake and then prefers 256-bit vectors,
@@ -131,7 +132,7 @@ def build(compiler: str | None = None, root: Path | None = None) -> Path:
 
 class NativeKernels:
     """The loaded kernels: ``decode`` (one layer's decode attention for a batch), ``draw``, and
-    ``pack_linear`` / ``linear``, ``silu_mul``."""
+    ``pack_linear`` / ``linear``, ``silu_mul``, ``rms_norm``, ``rope``."""
 
     def __init__(self, library: Path) -> None:
         lib = ctypes.CDLL(str(library))
@@ -151,6 +152,12 @@ class NativeKernels:
         self._silu_mul = lib.trioserve_silu_mul
         self._silu_mul.argtypes = [ptr, ptr, ptr, i64]
         self._silu_mul.restype = None
+        self._rms_norm = lib.trioserve_rms_norm
+        self._rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float]
+        self._rms_norm.restype = None
+        self._rope = lib.trioserve_rope
+        self._rope.argtypes = [ptr, i64, i64, i64, ptr, ptr]
+        self._rope.restype = None
         self._library = lib  # keeps the object mapped while its functions live
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
@@ -233,6 +240,43 @@ class NativeKernels:
         out = gate if gate.is_contiguous() else gate.contiguous()
         self._silu_mul(out.data_ptr(), up.data_ptr(), out.data_ptr(), out.numel())
         return out
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``rms_norm.c`` over the last axis of a contiguous float32 CPU ``x`` with a ``weight`` as long
+        as that axis, into a new tensor (``x`` is the residual the layer adds back later)."""
+        n = x.shape[-1] if x.dim() else 0
+        if (
+            x.dtype != torch.float32
+            or weight.dtype != torch.float32
+            or not x.is_contiguous()
+            or weight.shape != (n,)
+            or x.device.type != "cpu"
+            or weight.device.type != "cpu"
+        ):
+            raise ValueError("native rms_norm: unsupported shapes, dtypes or layout")
+        weight = weight.contiguous()
+        out = torch.empty_like(x)
+        self._rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // max(n, 1), n, eps)
+        return out
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``rope.c``, in place: ``x`` ``[1, T, H, D]`` contiguous float32 CPU, ``cos`` and ``sin``
+        ``[1, T, D]`` (the model's rotary embedding for the T positions); returns ``x``."""
+        if x.dim() != 4 or cos.dim() != 3:
+            raise ValueError("native rope: unsupported shapes, dtypes or layout")
+        batch, tokens, heads, dim = x.shape
+        if (
+            batch != 1
+            or dim % 2
+            or cos.shape != (1, tokens, dim)
+            or sin.shape != cos.shape
+            or not x.is_contiguous()
+            or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (x, cos, sin))
+        ):
+            raise ValueError("native rope: unsupported shapes, dtypes or layout")
+        cos, sin = cos.contiguous(), sin.contiguous()
+        self._rope(x.data_ptr(), tokens, heads, dim, cos.data_ptr(), sin.data_ptr())
+        return x
 
     def _split(self, calls: list[Callable[[], object]]) -> None:
         """Run ``calls``: the first on this thread, the others at once on the pool's (ctypes releases
