@@ -16,12 +16,51 @@
  * - Each position's row (all kv heads, contiguous) is read once per pass, in block order, not head by
  *   head in strided passes (three over each block for SmolLM2's 3 kv heads). With the exp above:
  *   SmolLM2's 30 layers at 32 contexts of 140, the cache out of the CPU's caches, 47 -> 40 ms here.
+ * - With AVX-512, the scores of a full block of 16 positions (dim a multiple of 16) are 16 dot
+ *   products reduced together (scores16); other blocks take the plain loop. The same products, summed
+ *   in another order. 30 SmolLM2 layers at 32 contexts of 140 here: 36 -> 32 ms.
  * - No threads and no allocation: the caller owns parallelism and memory.
  */
 #include <math.h>
 #include <stdint.h>
 
 #include "exp_neg.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* Lane j of the result: the sum of v[j]'s 16 lanes. A transpose-and-add tree, 45 shuffles and adds
+ * for the 16 sums where reducing each vector alone takes about 8 each. */
+static inline __m512 sum16(const __m512 v[16]) {
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: v[2i], v[2i+1], v[2i], v[2i+1] (partial sums) */
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* per 128-bit lane: v[4i] .. v[4i+3] (partial sums) */
+        const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int i = 0; i < 2; i++) /* 128-bit lanes: v[8i..8i+3] twice, then v[8i+4..8i+7] twice */
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+
+/* scores[0..15] = scale * q . k_p for the 16 positions of a full block, k_p = k + p * row, dim a
+ * multiple of 16. */
+static inline void scores16(const float *restrict q, const float *restrict k, int64_t row, int64_t dim,
+                            float scale, float *restrict scores) {
+    __m512 v[16];
+    for (int p = 0; p < 16; p++) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t d = 0; d < dim; d += 16)
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(k + p * row + d), acc);
+        v[p] = acc;
+    }
+    _mm512_storeu_ps(scores, _mm512_mul_ps(sum16(v), _mm512_set1_ps(scale)));
+}
+#endif
 
 static inline float dot(const float *restrict a, const float *restrict b, int64_t dim) {
     float s = 0.0f;
@@ -43,6 +82,14 @@ static inline void one_request(const float *restrict q, const float *restrict ke
         const int64_t start = i * block_size;
         const int64_t n = len - start < block_size ? len - start : block_size;
         const float *k = keys + table[i] * block_size * row;
+#if defined(__AVX512F__)
+        if (n == 16 && dim % 16 == 0) {
+            for (int64_t g = 0, h = 0; g < kv_heads; g++)
+                for (int64_t j = 0; j < group; j++, h++)
+                    scores16(q + h * dim, k + g * dim, row, dim, scale, scores + h * len + start);
+            continue;
+        }
+#endif
         for (int64_t off = 0; off < n; off++, k += row) {
             for (int64_t g = 0, h = 0; g < kv_heads; g++)
                 for (int64_t j = 0; j < group; j++, h++)
