@@ -246,6 +246,9 @@ class NativeKernels:
         b = None if bias is None else bias.data_ptr()
         args = (rows.data_ptr(), m, k, packed.data_ptr(), out_features, b, out.data_ptr())
         parts = max(1, min(threads, blocks, m * k * out_features // MIN_MACS_PER_THREAD))
+        if parts == 1:  # a decode step's usual case: ~200 calls a step, no hand-off to build
+            self._linear(*args, 0, blocks)
+            return out
         bounds = [blocks * i // parts for i in range(parts + 1)]
         self._split([partial(self._linear, *args, bounds[i], bounds[i + 1]) for i in range(parts)])
         return out
