@@ -2,8 +2,7 @@
 blocks (``native/blocked_linear.c``), compute what ``nn.Linear`` does, to float32 rounding, on 2-D and
 3-D inputs of every row count a tile can hold and more, with and without bias, output widths that fill
 no whole block; the blocked one splits over threads bit-identically; every ``nn.Linear`` of a model is
-replaced (below ``MIN_BLOCKED_IN`` inputs by oneDNN's), the blocked copies one after another on one
-huge-page mapping, and nothing else is touched."""
+replaced (below ``MIN_BLOCKED_IN`` inputs by oneDNN's) and nothing else is touched."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from trioserve.worker.native_kernels import BLOCK, NativeKernels, build, huge_page_floats, packed_size
+from trioserve.worker.native_kernels import BLOCK, NativeKernels, build
 from trioserve.worker.packed_linear import (
     MIN_BLOCKED_IN,
     BlockedLinear,
@@ -114,22 +113,3 @@ def test_every_linear_of_a_model_and_only_those(kernels: NativeKernels, layout: 
         assert isinstance(model[0], nn.Embedding) and isinstance(model[4], nn.LayerNorm)
         torch.testing.assert_close(model(ids), want, rtol=1e-5, atol=1e-5)
     assert torch.equal(embed.weight, before)  # the shared weight itself is left as it was
-    if layout == "blocked":  # both blocked copies on the one huge-page mapping, one after the other
-        first, second = model[1].packed, model[5].packed
-        assert first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()
-        assert second.data_ptr() == first.data_ptr() + 4 * first.numel()
-
-
-def test_packed_into_a_given_slice(kernels: NativeKernels) -> None:
-    weight = torch.randn(2 * BLOCK + 5, 24)
-    size = packed_size(*weight.shape)
-    arena = huge_page_floats(size + 7)
-    into = arena[7 : 7 + size]
-    assert kernels.pack_linear(weight, into).data_ptr() == into.data_ptr()
-    assert torch.equal(into, kernels.pack_linear(weight))
-    x = torch.randn(3, 24)
-    torch.testing.assert_close(kernels.linear(x, into, weight.shape[0]), x @ weight.t(), rtol=1e-5, atol=1e-5)
-    for bad in (arena[: size - 1], arena[: 2 * size : 2]):
-        with pytest.raises(ValueError, match="contiguous floats"):
-            kernels.pack_linear(weight, bad)
-    assert huge_page_floats(0).numel() == 0

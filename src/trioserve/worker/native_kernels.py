@@ -30,7 +30,6 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
-import mmap
 import os
 import platform
 import shutil
@@ -131,26 +130,6 @@ def build(compiler: str | None = None, root: Path | None = None) -> Path:
     return final
 
 
-def packed_size(out_features: int, in_features: int) -> int:
-    """Floats in ``blocked_linear.c``'s packed copy of an ``[out, in]`` weight."""
-    return -(-out_features // BLOCK) * in_features * BLOCK
-
-
-def huge_page_floats(count: int) -> torch.Tensor:
-    """``count`` zero floats on an anonymous mapping that asks for transparent huge pages (Linux; the
-    plain mapping elsewhere), for the packed weights: streamed from memory at every decode step, a
-    weight on 4 KB pages crosses a page every 32 of ``blocked_linear.c``'s steps over its inputs, and
-    the TLB misses and the hardware prefetcher's stops at each page cost SmolLM2's MLP products 15 %
-    at 1 row, 7 % at 8 and 3 % at 32 here (60 of them, ~210 MB, one thread)."""
-    if count <= 0:
-        return torch.empty(0)
-    buffer = mmap.mmap(-1, count * 4, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is not None:
-        buffer.madvise(advice)
-    return torch.frombuffer(buffer, dtype=torch.float32, count=count)  # it keeps the mapping alive
-
-
 class NativeKernels:
     """The loaded kernels: ``decode`` (one layer's decode attention for a batch), ``draw``, and
     ``pack_linear`` / ``linear``, ``silu_mul``, ``rms_norm``, ``rope``."""
@@ -201,20 +180,15 @@ class NativeKernels:
         self._draw(logits.data_ptr(), u.data_ptr(), out.data_ptr(), sums.data_ptr(), rows, vocab)
         return out
 
-    def pack_linear(self, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``blocked_linear.c``'s packed copy of an ``[out, in]`` float32 weight (1-D), written into
-        ``out`` when given (``packed_size`` floats, contiguous: a slice of ``huge_page_floats``)."""
+    def pack_linear(self, weight: torch.Tensor) -> torch.Tensor:
+        """``blocked_linear.c``'s packed copy of an ``[out, in]`` float32 weight (1-D)."""
         if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
             raise ValueError("native linear: the weight must be a 2-D float32 CPU tensor")
         n, k = weight.shape
         weight = weight.contiguous()
-        size = packed_size(n, k)
-        if out is None:
-            out = torch.empty(size)
-        elif out.shape != (size,) or out.dtype != torch.float32 or not out.is_contiguous():
-            raise ValueError(f"native linear: a packed [{n}, {k}] weight takes {size} contiguous floats")
-        self._pack(weight.data_ptr(), n, k, out.data_ptr())
-        return out
+        packed = torch.empty(-(-n // BLOCK) * k * BLOCK)
+        self._pack(weight.data_ptr(), n, k, packed.data_ptr())
+        return packed
 
     def linear(
         self,

@@ -23,8 +23,6 @@ Rules:
   is faster where torch has it (the tiny model's LM head, 64 -> 49,152: at 32 rows 2.71 against 2.99
   ms, at 128 rows 8.93 against 11.4 ms).
 - A tied LM head gets its own packed copy; the embedding keeps the shared original.
-- The blocked copies lie one after another on one mapping with transparent huge pages asked for
-  (``huge_page_floats``: 3-15 % faster products at 1-32 rows here).
 """
 
 from __future__ import annotations
@@ -34,7 +32,7 @@ from typing import Final
 import torch
 from torch import nn
 
-from trioserve.worker.native_kernels import NativeKernels, huge_page_floats, packed_size
+from trioserve.worker.native_kernels import NativeKernels
 
 BATCH_HINT: Final = 32
 MIN_BLOCKED_IN: Final = 128
@@ -67,13 +65,13 @@ class PackedLinear(nn.Module):
 class BlockedLinear(nn.Module):
     """``nn.Linear``'s forward by ``blocked_linear.c`` on its weight packed in column blocks."""
 
-    def __init__(self, linear: nn.Linear, kernels: NativeKernels, out: torch.Tensor | None = None) -> None:
+    def __init__(self, linear: nn.Linear, kernels: NativeKernels) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.kernels = kernels
         with torch.no_grad():
-            self.packed = kernels.pack_linear(linear.weight.detach(), out)
+            self.packed = kernels.pack_linear(linear.weight.detach())
             self.bias = None if linear.bias is None else linear.bias.detach().clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -86,19 +84,11 @@ def pack_linears(model: nn.Module, kernels: NativeKernels | None = None) -> int:
     how many."""
     onednn = available()
     targets = [(name, module) for name, module in model.named_modules() if type(module) is nn.Linear]
-    blocked = {
-        name: packed_size(module.out_features, module.in_features)
-        for name, module in targets
-        if kernels is not None and (module.in_features >= MIN_BLOCKED_IN or not onednn)
-    }
-    arena = huge_page_floats(sum(blocked.values()))  # every blocked copy, one after another
-    offset = 0
     for name, module in targets:
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        if kernels is not None and name in blocked:
-            packed: nn.Module = BlockedLinear(module, kernels, arena[offset : offset + blocked[name]])
-            offset += blocked[name]
+        if kernels is not None and (module.in_features >= MIN_BLOCKED_IN or not onednn):
+            packed: nn.Module = BlockedLinear(module, kernels)
         else:
             packed = PackedLinear(module)
         setattr(parent, leaf, packed)
