@@ -2,7 +2,8 @@
 blocks (``native/blocked_linear.c``), compute what ``nn.Linear`` does, to float32 rounding, on 2-D and
 3-D inputs of every row count a tile can hold and more, with and without bias, output widths that fill
 no whole block; the blocked one splits over threads bit-identically; every ``nn.Linear`` of a model is
-replaced (below ``MIN_BLOCKED_IN`` inputs by oneDNN's) and nothing else is touched."""
+replaced (below ``MIN_BLOCKED_IN`` inputs by oneDNN's), an untied weight packed over its own memory,
+and nothing else is touched."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from trioserve.worker.native_kernels import BLOCK, NativeKernels, build
+from trioserve.worker.native_kernels import BLOCK, NativeKernels, build, packed_size
 from trioserve.worker.packed_linear import (
     MIN_BLOCKED_IN,
     BlockedLinear,
@@ -99,17 +100,45 @@ def test_every_linear_of_a_model_and_only_those(kernels: NativeKernels, layout: 
     embed = nn.Embedding(30, wide)
     head = nn.Linear(wide, 30, bias=False)
     head.weight = embed.weight  # tied, as in SmolLM2
-    narrow_in = nn.Linear(16, wide)
-    model = nn.Sequential(embed, nn.Linear(wide, 16), nn.ReLU(), narrow_in, nn.LayerNorm(wide), head)
+    narrow_in = nn.Linear(BLOCK, wide)
+    model = nn.Sequential(embed, nn.Linear(wide, BLOCK), nn.ReLU(), narrow_in, nn.LayerNorm(wide), head)
     before = embed.weight.detach().clone()
+    untied_weight_ptr = model[1].weight.data_ptr()
     ids = torch.tensor([[1, 5, 29]])
     with torch.no_grad():
         want = model(ids)
         assert pack_linears(model, kernels if layout == "blocked" else None) == 3
         kind = BlockedLinear if layout == "blocked" else PackedLinear
         assert isinstance(model[1], kind) and isinstance(model[5], kind)
-        assert isinstance(model[3], PackedLinear)  # 16 inputs: oneDNN's either way
+        assert isinstance(model[3], PackedLinear)  # 32 inputs: oneDNN's either way
         assert [type(m).__name__ for m in model.modules()].count("Linear") == 0
         assert isinstance(model[0], nn.Embedding) and isinstance(model[4], nn.LayerNorm)
         torch.testing.assert_close(model(ids), want, rtol=1e-5, atol=1e-5)
     assert torch.equal(embed.weight, before)  # the shared weight itself is left as it was
+    if layout == "blocked":  # the untied weight packed over its own memory, the tied one copied
+        assert model[1].packed.data_ptr() == untied_weight_ptr
+        assert model[5].packed.data_ptr() != embed.weight.data_ptr()
+
+
+def test_packed_into_a_given_buffer(kernels: NativeKernels) -> None:
+    weight = torch.randn(2 * BLOCK + 5, 24)
+    size = packed_size(*weight.shape)
+    buffer = torch.empty(size + 7)
+    into = buffer[7:]
+    assert kernels.pack_linear(weight, into).data_ptr() == into.data_ptr()
+    assert torch.equal(into, kernels.pack_linear(weight))
+    for bad in (buffer[: size - 1], torch.empty(2 * size)[::2]):
+        with pytest.raises(ValueError, match="contiguous floats"):
+            kernels.pack_linear(weight, bad)
+
+
+def test_a_blocked_linear_given_scratch_takes_over_the_weight(kernels: NativeKernels) -> None:
+    linear = nn.Linear(40, 2 * BLOCK)  # a whole number of blocks: the packed copy is the weight's size
+    x = torch.randn(5, 40)
+    with torch.no_grad():
+        want = linear(x)
+        blocked = BlockedLinear(linear, kernels, torch.empty(10_000))
+        assert blocked.packed.data_ptr() == linear.weight.data_ptr()
+        torch.testing.assert_close(blocked(x), want, rtol=1e-5, atol=1e-5)
+        odd = nn.Linear(40, BLOCK + 3)  # padded: the packed copy is larger, so it gets its own
+        assert BlockedLinear(odd, kernels, torch.empty(10_000)).packed.data_ptr() != odd.weight.data_ptr()

@@ -19,9 +19,12 @@ Rules:
   hands out 0, 1, 2, ...) are the first resident. Not one ``MAP_POPULATE`` mmap: that holds the
   process's memory-map lock for the whole 2 GiB, and the imports' own mappings waited behind it (they
   ran 2.5x slower); in chunks they lose 1-2 s.
-- It asks for transparent huge pages first (``MADV_HUGEPAGE``, a hint the kernel may ignore): where
-  the host has the memory backed already, 2 GiB populated in 0.2-1.0 s instead of 0.9-1.4 s here;
-  where it does not, both took 2.5-3.7 s.
+- It does not ask for transparent huge pages (``MADV_HUGEPAGE``). On one host that hint populated 2
+  GiB in 0.2-1.0 s instead of 0.9-1.4 s where the memory was backed already, and both took 2.5-3.7 s
+  where it was not; on another (a Xeon VM whose kernel compacts memory for each huge page it faults
+  in) it took 5.0-5.5 s against 0.6-0.9 s, and start-up to ready went 4.6-4.8 s with a 0.25-GiB pool
+  and 7.1-7.6 s with 2 GiB. Decode attention over a pool on 4 KB pages was 0-10 % slower in
+  process (``docs/benchmarks.md``), which is not worth seconds of every start.
 - ``Prefault`` checks that the kernel knows ``MADV_POPULATE_WRITE`` (Linux 5.14) before it starts;
   where it does not, ``take`` returns ``None`` and the caller allocates the pool populated in line, as
   before. A mapping of another size than asked is never handed out. A population that fails part way
@@ -51,7 +54,6 @@ from trioserve.protocol.worker_messages import WorkerLaunch
 
 log = logging.getLogger("trioserve.worker")
 
-MADV_HUGEPAGE = 14  # linux/mman.h
 MADV_POPULATE_WRITE = 23  # linux/mman.h, since 5.14
 ROUND_BYTES = 256 << 20  # populated per round, over all planes
 NVIDIA_NODE = "/dev/nvidiactl"
@@ -126,7 +128,6 @@ class Prefault:
     def _populate(self, round_bytes: int) -> None:
         started = time.perf_counter()
         try:
-            self._madvise(self._address, self.plan.nbytes, MADV_HUGEPAGE)  # a hint: its result is moot
             for at, length in population_order(self.plan, round_bytes, mmap.PAGESIZE):
                 if self._stop:
                     return

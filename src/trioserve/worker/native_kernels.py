@@ -130,6 +130,11 @@ def build(compiler: str | None = None, root: Path | None = None) -> Path:
     return final
 
 
+def packed_size(out_features: int, in_features: int) -> int:
+    """Floats in ``blocked_linear.c``'s packed copy of an ``[out, in]`` weight."""
+    return -(-out_features // BLOCK) * in_features * BLOCK
+
+
 class NativeKernels:
     """The loaded kernels: ``decode`` (one layer's decode attention for a batch), ``draw``, and
     ``pack_linear`` / ``linear``, ``silu_mul``, ``rms_norm``, ``rope``."""
@@ -180,15 +185,20 @@ class NativeKernels:
         self._draw(logits.data_ptr(), u.data_ptr(), out.data_ptr(), sums.data_ptr(), rows, vocab)
         return out
 
-    def pack_linear(self, weight: torch.Tensor) -> torch.Tensor:
-        """``blocked_linear.c``'s packed copy of an ``[out, in]`` float32 weight (1-D)."""
+    def pack_linear(self, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``blocked_linear.c``'s packed copy of an ``[out, in]`` float32 weight (1-D), written into
+        ``out`` when given (``packed_size`` contiguous floats, not the weight's own)."""
         if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
             raise ValueError("native linear: the weight must be a 2-D float32 CPU tensor")
         n, k = weight.shape
         weight = weight.contiguous()
-        packed = torch.empty(-(-n // BLOCK) * k * BLOCK)
-        self._pack(weight.data_ptr(), n, k, packed.data_ptr())
-        return packed
+        size = packed_size(n, k)
+        if out is None:
+            out = torch.empty(size)
+        elif out.shape != (size,) or out.dtype != torch.float32 or not out.is_contiguous():
+            raise ValueError(f"native linear: a packed [{n}, {k}] weight takes {size} contiguous floats")
+        self._pack(weight.data_ptr(), n, k, out.data_ptr())
+        return out
 
     def linear(
         self,

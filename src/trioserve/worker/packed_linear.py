@@ -22,17 +22,21 @@ Rules:
 - Except below ``MIN_BLOCKED_IN`` inputs, where the product is mostly its output's writes and oneDNN
   is faster where torch has it (the tiny model's LM head, 64 -> 49,152: at 32 rows 2.71 against 2.99
   ms, at 128 rows 8.93 against 11.4 ms).
-- A tied LM head gets its own packed copy; the embedding keeps the shared original.
+- A tied LM head gets its own packed copy; the embedding keeps the shared original. Every other
+  blocked weight is packed into one scratch buffer and copied back over its own memory, which then
+  holds the packed copy: no new memory per weight to fault in at start-up (SmolLM2: ~430 MB, which
+  on this VM took ~1 s to fault in when its host had just taken it back).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Final
 
 import torch
 from torch import nn
 
-from trioserve.worker.native_kernels import NativeKernels
+from trioserve.worker.native_kernels import NativeKernels, packed_size
 
 BATCH_HINT: Final = 32
 MIN_BLOCKED_IN: Final = 128
@@ -65,13 +69,23 @@ class PackedLinear(nn.Module):
 class BlockedLinear(nn.Module):
     """``nn.Linear``'s forward by ``blocked_linear.c`` on its weight packed in column blocks."""
 
-    def __init__(self, linear: nn.Linear, kernels: NativeKernels) -> None:
+    def __init__(
+        self, linear: nn.Linear, kernels: NativeKernels, scratch: torch.Tensor | None = None
+    ) -> None:
+        """With ``scratch`` (at least ``packed_size`` floats) the weight is packed there and copied
+        back over the weight's own memory, which becomes the packed copy: for a weight nothing else
+        holds (``pack_linears`` decides)."""
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.kernels = kernels
         with torch.no_grad():
-            self.packed = kernels.pack_linear(linear.weight.detach())
+            weight = linear.weight.detach()
+            size = packed_size(*weight.shape)
+            if scratch is not None and weight.is_contiguous() and weight.numel() == size:
+                self.packed = weight.view(-1).copy_(kernels.pack_linear(weight, scratch[:size]))
+            else:
+                self.packed = kernels.pack_linear(weight)
             self.bias = None if linear.bias is None else linear.bias.detach().clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -84,11 +98,15 @@ def pack_linears(model: nn.Module, kernels: NativeKernels | None = None) -> int:
     how many."""
     onednn = available()
     targets = [(name, module) for name, module in model.named_modules() if type(module) is nn.Linear]
+    held = Counter(p.data_ptr() for _, p in model.named_parameters(remove_duplicate=False))
+    own = [m.weight.numel() for _, m in targets if held[m.weight.data_ptr()] == 1]
+    scratch = torch.empty(max(own, default=0)) if kernels is not None else None  # one, reused
     for name, module in targets:
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         if kernels is not None and (module.in_features >= MIN_BLOCKED_IN or not onednn):
-            packed: nn.Module = BlockedLinear(module, kernels)
+            alone = held[module.weight.data_ptr()] == 1  # not tied: its memory can take the packing
+            packed: nn.Module = BlockedLinear(module, kernels, scratch if alone else None)
         else:
             packed = PackedLinear(module)
         setattr(parent, leaf, packed)
