@@ -17,6 +17,7 @@ from trioserve.worker.native_kernels import BLOCK, NativeKernels, build, packed_
 from trioserve.worker.packed_linear import (
     MIN_BLOCKED_IN,
     BlockedLinear,
+    PackedEmbedding,
     PackedLinear,
     available,
     pack_linears,
@@ -132,13 +133,42 @@ def test_packed_into_a_given_buffer(kernels: NativeKernels) -> None:
             kernels.pack_linear(weight, bad)
 
 
-def test_a_blocked_linear_given_scratch_takes_over_the_weight(kernels: NativeKernels) -> None:
-    linear = nn.Linear(40, 2 * BLOCK)  # a whole number of blocks: the packed copy is the weight's size
+def test_in_place_packing_takes_over_the_weight(kernels: NativeKernels) -> None:
+    linear = nn.Linear(40, 2 * BLOCK)  # whole blocks: the packed copy is the weight's size
     x = torch.randn(5, 40)
     with torch.no_grad():
         want = linear(x)
-        blocked = BlockedLinear(linear, kernels, torch.empty(10_000))
+        copied = kernels.pack_linear(linear.weight)
+        blocked = BlockedLinear(linear, kernels, in_place=True)
         assert blocked.packed.data_ptr() == linear.weight.data_ptr()
+        assert torch.equal(blocked.packed, copied)
         torch.testing.assert_close(blocked(x), want, rtol=1e-5, atol=1e-5)
-        odd = nn.Linear(40, BLOCK + 3)  # padded: the packed copy is larger, so it gets its own
-        assert BlockedLinear(odd, kernels, torch.empty(10_000)).packed.data_ptr() != odd.weight.data_ptr()
+    for bad in (torch.randn(BLOCK + 3, 8), torch.randn(8, 2 * BLOCK).t(), torch.randn(BLOCK, 8).double()):
+        with pytest.raises(ValueError, match="in place"):
+            kernels.pack_linear_in_place(bad)
+
+
+def test_a_tied_head_of_whole_blocks_packs_in_place_and_the_embedding_reads_it(
+    kernels: NativeKernels,
+) -> None:
+    """A tied LM head (SmolLM2's case) over its own memory; the embedding becomes a
+    ``PackedEmbedding`` giving the same rows; a head whose weight something else holds is copied."""
+    torch.manual_seed(4)
+    embed = nn.Embedding(3 * BLOCK, MIN_BLOCKED_IN)
+    head = nn.Linear(MIN_BLOCKED_IN, 3 * BLOCK, bias=False)
+    head.weight = embed.weight
+    model = nn.Sequential(embed, nn.LayerNorm(MIN_BLOCKED_IN), head)
+    ids = torch.tensor([[0, 1, BLOCK - 1, BLOCK, 3 * BLOCK - 1], [7, 7, 40, 2, 95]])
+    storage = embed.weight.data_ptr()
+    with torch.no_grad():
+        want_rows, want = embed(ids), model(ids)
+        assert pack_linears(model, kernels) == 1
+        assert isinstance(model[0], PackedEmbedding) and isinstance(model[2], BlockedLinear)
+        assert model[2].packed.data_ptr() == storage
+        assert torch.equal(model[0](ids), want_rows)
+        torch.testing.assert_close(model(ids), want, rtol=1e-5, atol=1e-5)
+    other = nn.Linear(MIN_BLOCKED_IN, 2 * BLOCK)
+    shared = nn.ModuleDict({"a": other, "b": nn.Linear(MIN_BLOCKED_IN, 2 * BLOCK)})
+    shared["b"].weight = other.weight  # held by another linear: neither may take the memory over
+    pack_linears(shared, kernels)
+    assert shared["a"].packed.data_ptr() != shared["b"].packed.data_ptr()

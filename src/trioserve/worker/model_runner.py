@@ -54,6 +54,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import mmap
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -72,6 +73,7 @@ from trioserve.worker.grammar import GrammarBook, GrammarState, add_bias
 from trioserve.worker.native_kernels import NativeKernels, native_kernels
 from trioserve.worker.native_layers import native_layers
 from trioserve.worker.native_mlp import fuse_silu_mlps
+from trioserve.worker.packed_store import PackedStore
 from trioserve.worker.paged_attention import ATTN_IMPLEMENTATION, BatchLayout, PagedKVCache, PrefillSpan
 from trioserve.worker.sampler import RequestProcessors, Sampler, SamplingRow, token_logprobs
 from trioserve.worker.tensor_parallel import all_reduce_min, init_group, shard_model
@@ -162,6 +164,7 @@ class ModelRunner:
         tokenizer: str | None = None,
         pool: mmap.mmap | None = None,
         cpu_kernels: str = "auto",
+        packed_store: PackedStore | None = None,
     ) -> None:
         self.model = model
         self.num_threads = num_threads  # the configured intra-op count; 0: torch's default, untouched
@@ -177,7 +180,9 @@ class ModelRunner:
         self.load_seconds = 0.0  # set by load()
         self.vocab_size = geometry.vocab_size
         kernels = native_kernels(cpu_kernels, self.device, model.dtype)
-        self.packed_linears = _pack(model, cpu_kernels, kernels)  # 0: F.linear on the weights as loaded
+        self.packed_linears = _pack(
+            model, cpu_kernels, kernels, packed_store
+        )  # 0: F.linear on the weights as loaded
         self.fused_mlps = 0 if kernels is None else fuse_silu_mlps(model, kernels)
         self.native_layers = 0 if kernels is None else native_layers(model, kernels)  # norms, attention
         self.cache = PagedKVCache(
@@ -234,6 +239,12 @@ class ModelRunner:
             tokenizer=config.tokenizer or config.model,
             pool=pool,
             cpu_kernels=config.cpu_kernels,
+            # one rank's whole model on the CPU: its packed weights are kept between starts
+            packed_store=(
+                PackedStore(config.model)
+                if tp is None and device.type == "cpu" and os.path.isdir(config.model)
+                else None
+            ),
         )
         runner.load_seconds = time.perf_counter() - started
         log.info(
@@ -591,12 +602,12 @@ class ModelRunner:
         )
 
 
-def _pack(model: Any, cpu_kernels: str, kernels: NativeKernels | None) -> int:
+def _pack(model: Any, cpu_kernels: str, kernels: NativeKernels | None, store: PackedStore | None) -> int:
     """``pack_linears`` on a CPU float32 model unless ``cpu_kernels`` is ``torch``: in the native
     kernels' blocks where they built, else (``auto`` only: ``native`` refused already) for oneDNN
     where torch has it; how many it packed."""
     if kernels is not None:
-        return packed_linear.pack_linears(model, kernels)
+        return packed_linear.pack_linears(model, kernels, store)
     if cpu_kernels == "torch" or model.device.type != "cpu" or model.dtype != torch.float32:
         return 0
     return packed_linear.pack_linears(model) if packed_linear.available() else 0

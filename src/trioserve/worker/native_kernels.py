@@ -151,6 +151,9 @@ class NativeKernels:
         self._pack = lib.trioserve_pack_linear
         self._pack.argtypes = [ptr, i64, i64, ptr]
         self._pack.restype = None
+        self._pack_in_place = lib.trioserve_pack_linear_in_place
+        self._pack_in_place.argtypes = [ptr, i64, i64, ptr]
+        self._pack_in_place.restype = None
         self._linear = lib.trioserve_blocked_linear
         self._linear.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, i64, i64]
         self._linear.restype = None
@@ -199,6 +202,22 @@ class NativeKernels:
             raise ValueError(f"native linear: a packed [{n}, {k}] weight takes {size} contiguous floats")
         self._pack(weight.data_ptr(), n, k, out.data_ptr())
         return out
+
+    def pack_linear_in_place(self, weight: torch.Tensor) -> torch.Tensor:
+        """The packed layout over ``weight``'s own memory, returned as a 1-D view of it: for a
+        contiguous ``[out, in]`` float32 weight whose ``out`` is a multiple of ``BLOCK`` (no padding)."""
+        if (
+            weight.dim() != 2
+            or weight.dtype != torch.float32
+            or weight.device.type != "cpu"
+            or not weight.is_contiguous()
+            or weight.shape[0] % BLOCK
+        ):
+            raise ValueError("native linear: in place, a contiguous float32 weight of whole blocks")
+        n, k = weight.shape
+        tmp = torch.empty(BLOCK * k)
+        self._pack_in_place(weight.data_ptr(), n, k, tmp.data_ptr())
+        return weight.view(-1)
 
     def linear(
         self,

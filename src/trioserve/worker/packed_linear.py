@@ -22,21 +22,22 @@ Rules:
 - Except below ``MIN_BLOCKED_IN`` inputs, where the product is mostly its output's writes and oneDNN
   is faster where torch has it (the tiny model's LM head, 64 -> 49,152: at 32 rows 2.71 against 2.99
   ms, at 128 rows 8.93 against 11.4 ms).
-- A tied LM head gets its own packed copy; the embedding keeps the shared original. Every other
-  blocked weight is packed into one scratch buffer and copied back over its own memory, which then
-  holds the packed copy: no new memory per weight to fault in at start-up (SmolLM2: ~430 MB, which
-  on this VM took ~1 s to fault in when its host had just taken it back).
+- A blocked weight of whole column blocks that nothing else holds, or only a plain ``nn.Embedding``
+  (a tied LM head), is packed over its own memory, and the tied embedding then reads its rows out of
+  the packed copy (``PackedEmbedding``): no new memory to fault in at start-up (SmolLM2's fresh
+  copies, 540 MB, took 0.9 s of its load on this VM, where memory its host has just taken back is
+  slow to touch again). Any other weight (padded, or held by something else) gets its own copy.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from typing import Final
+from typing import Final, cast
 
 import torch
 from torch import nn
 
-from trioserve.worker.native_kernels import NativeKernels, packed_size
+from trioserve.worker.native_kernels import BLOCK, NativeKernels, packed_size
+from trioserve.worker.packed_store import PackedStore
 
 BATCH_HINT: Final = 32
 MIN_BLOCKED_IN: Final = 128
@@ -70,44 +71,93 @@ class BlockedLinear(nn.Module):
     """``nn.Linear``'s forward by ``blocked_linear.c`` on its weight packed in column blocks."""
 
     def __init__(
-        self, linear: nn.Linear, kernels: NativeKernels, scratch: torch.Tensor | None = None
+        self,
+        linear: nn.Linear,
+        kernels: NativeKernels,
+        in_place: bool = False,
+        packed: torch.Tensor | None = None,
     ) -> None:
-        """With ``scratch`` (at least ``packed_size`` floats) the weight is packed there and copied
-        back over the weight's own memory, which becomes the packed copy: for a weight nothing else
-        holds (``pack_linears`` decides)."""
+        """``in_place``: the weight's own memory becomes the packed copy (``pack_linears`` says when);
+        ``packed``: the packed copy itself, made before (``packed_store.py``)."""
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.kernels = kernels
         with torch.no_grad():
             weight = linear.weight.detach()
-            size = packed_size(*weight.shape)
-            if scratch is not None and weight.is_contiguous() and weight.numel() == size:
-                self.packed = weight.view(-1).copy_(kernels.pack_linear(weight, scratch[:size]))
+            if packed is not None:
+                if packed.shape != (packed_size(self.out_features, self.in_features),):
+                    raise ValueError("a packed copy of another size than this linear's")
+                self.packed = packed
             else:
-                self.packed = kernels.pack_linear(weight)
+                self.packed = (
+                    kernels.pack_linear_in_place(weight) if in_place else kernels.pack_linear(weight)
+                )
             self.bias = None if linear.bias is None else linear.bias.detach().clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.linear(x, self.packed, self.out_features, self.bias, torch.get_num_threads())
 
 
-def pack_linears(model: nn.Module, kernels: NativeKernels | None = None) -> int:
+class PackedEmbedding(nn.Module):
+    """A tied ``nn.Embedding`` read out of its LM head's packed copy: token t's row is column
+    ``t % BLOCK`` of block ``t // BLOCK`` (``native/blocked_linear.c``'s layout), one gather."""
+
+    def __init__(self, packed: torch.Tensor, embedding: nn.Embedding) -> None:
+        super().__init__()
+        self.num_embeddings = embedding.num_embeddings
+        self.embedding_dim = embedding.embedding_dim
+        self.blocks = packed.view(-1, self.embedding_dim, BLOCK)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.blocks[ids // BLOCK, :, ids % BLOCK]  # [*ids.shape, dim]
+
+
+def _plain_embedding(module: nn.Module) -> bool:
+    return type(module) is nn.Embedding and module.max_norm is None
+
+
+def pack_linears(
+    model: nn.Module, kernels: NativeKernels | None = None, store: PackedStore | None = None
+) -> int:
     """Replace each ``nn.Linear`` of ``model`` with a ``BlockedLinear`` on ``kernels``, or a
     ``PackedLinear`` without them or (where oneDNN is here) below ``MIN_BLOCKED_IN`` inputs; returns
-    how many."""
+    how many. With a ``store``, the blocked copies come from it when it has them, else they are packed
+    and saved there (``worker/packed_store.py``)."""
     onednn = available()
     targets = [(name, module) for name, module in model.named_modules() if type(module) is nn.Linear]
-    held = Counter(p.data_ptr() for _, p in model.named_parameters(remove_duplicate=False))
-    own = [m.weight.numel() for _, m in targets if held[m.weight.data_ptr()] == 1]
-    scratch = torch.empty(max(own, default=0)) if kernels is not None else None  # one, reused
+    holders: dict[int, list[str]] = {}  # a weight's memory -> the modules holding it
+    for name, module in model.named_modules(remove_duplicate=False):
+        for param in module.parameters(recurse=False):
+            holders.setdefault(param.data_ptr(), []).append(name)
+
+    def blocked(module: nn.Linear) -> bool:
+        return kernels is not None and (module.in_features >= MIN_BLOCKED_IN or not onednn)
+
+    plan = [(name, m.out_features, m.in_features) for name, m in targets if blocked(m)]
+    sizes = [packed_size(out, into) for _, out, into in plan]
+    stored = store.load(plan, sum(sizes)) if store is not None and plan else None
+    copies: list[torch.Tensor] = []
     for name, module in targets:
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        if kernels is not None and (module.in_features >= MIN_BLOCKED_IN or not onednn):
-            alone = held[module.weight.data_ptr()] == 1  # not tied: its memory can take the packing
-            packed: nn.Module = BlockedLinear(module, kernels, scratch if alone else None)
+        if kernels is not None and blocked(module):
+            others = [other for other in holders[module.weight.data_ptr()] if other != name]
+            tied = [other for other in others if _plain_embedding(model.get_submodule(other))]
+            alone = others == tied and len(tied) <= 1  # nothing but a tied embedding holds it
+            in_place = alone and module.out_features % BLOCK == 0 and module.weight.is_contiguous()
+            start = sum(sizes[: len(copies)])
+            given = None if stored is None else stored[start : start + sizes[len(copies)]]
+            linear = BlockedLinear(module, kernels, in_place and given is None, given)
+            copies.append(linear.packed)
+            for other in tied if alone and (in_place or given is not None) else []:
+                owner, _, attr = other.rpartition(".")  # the embedding now reads the packed copy
+                embedding = PackedEmbedding(linear.packed, cast(nn.Embedding, model.get_submodule(other)))
+                setattr(model.get_submodule(owner) if owner else model, attr, embedding)
+            packed: nn.Module = linear
         else:
             packed = PackedLinear(module)
         setattr(parent, leaf, packed)
+    if store is not None and plan and stored is None:
+        store.save(plan, copies)
     return len(targets)

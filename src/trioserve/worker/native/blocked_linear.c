@@ -22,6 +22,7 @@
  *   rounding of F.linear's, not bit-equal to it.
  */
 #include <stdint.h>
+#include <string.h>
 
 #define BLOCK 32
 #define ROWS 8
@@ -35,6 +36,24 @@ void trioserve_pack_linear(const float *restrict w, int64_t n, int64_t k, float 
                 const int64_t col = b * BLOCK + j;
                 p[(b * k + i) * BLOCK + j] = col < n ? w[col * k + i] : 0.0f;
             }
+}
+
+/* The same layout over w itself, for n a multiple of BLOCK: rows b * BLOCK .. b * BLOCK + BLOCK - 1
+ * of w are exactly the floats of packed block b, so each block is copied to tmp (BLOCK * k floats)
+ * and written back transposed. No new memory for the packed copy (a weight's own pages are already
+ * resident; a fresh copy's are not). */
+void trioserve_pack_linear_in_place(float *restrict w, int64_t n, int64_t k, float *restrict tmp) {
+    for (int64_t b = 0; b < n / BLOCK; b++) {
+        float *restrict block = w + b * BLOCK * k;
+        memcpy(tmp, block, (size_t)(BLOCK * k) * sizeof(float));
+        /* in tiles of 16 inputs, whose reads (a line of each of the block's rows) and writes (16
+         * packed rows) stay in L1: the plain double loop ran at ~1 GB/s */
+        for (int64_t i0 = 0; i0 < k; i0 += 16) {
+            const int64_t i1 = k - i0 < 16 ? k : i0 + 16;
+            for (int64_t j = 0; j < BLOCK; j++)
+                for (int64_t i = i0; i < i1; i++) block[i * BLOCK + j] = tmp[j * k + i];
+        }
+    }
 }
 
 /* rows (1 .. ROWS) rows of x against one block: a compile-time count in each inlined copy below, so
