@@ -180,9 +180,8 @@ class ModelRunner:
         self.load_seconds = 0.0  # set by load()
         self.vocab_size = geometry.vocab_size
         kernels = native_kernels(cpu_kernels, self.device, model.dtype)
-        self.packed_linears = _pack(
-            model, cpu_kernels, kernels, packed_store
-        )  # 0: F.linear on the weights as loaded
+        # 0: F.linear on the weights as loaded
+        self.packed_linears = _pack(model, cpu_kernels, kernels, packed_store)
         self.fused_mlps = 0 if kernels is None else fuse_silu_mlps(model, kernels)
         self.native_layers = 0 if kernels is None else native_layers(model, kernels)  # norms, attention
         self.cache = PagedKVCache(

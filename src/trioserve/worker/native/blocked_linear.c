@@ -40,8 +40,9 @@ void trioserve_pack_linear(const float *restrict w, int64_t n, int64_t k, float 
 
 /* The same layout over w itself, for n a multiple of BLOCK: rows b * BLOCK .. b * BLOCK + BLOCK - 1
  * of w are exactly the floats of packed block b, so each block is copied to tmp (BLOCK * k floats)
- * and written back transposed. No new memory for the packed copy (a weight's own pages are already
- * resident; a fresh copy's are not). */
+ * and written back transposed. No second copy of the weight is kept. (Where the weight is a private
+ * mapping of its checkpoint, as transformers maps a float32 one, each page written still takes a
+ * copy-on-write fault: worker/packed_store.py keeps the packed copies for the next start.) */
 void trioserve_pack_linear_in_place(float *restrict w, int64_t n, int64_t k, float *restrict tmp) {
     for (int64_t b = 0; b < n / BLOCK; b++) {
         float *restrict block = w + b * BLOCK * k;
