@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -104,6 +105,9 @@ def test_a_failed_write_leaves_nothing(
     store = PackedStore(model_dir, root)
 
     class Unwritable:
+        def numel(self) -> int:
+            return 1
+
         def detach(self) -> Unwritable:
             raise OSError("disk full")
 
@@ -132,3 +136,17 @@ def test_a_save_prunes_the_entries_of_folders_that_are_gone(tmp_path: Path) -> N
     assert gone_entry.name not in names and "stray.f32" not in names
     assert PackedStore(kept, root).path(plan).name in names
     assert len(names) == 4  # kept and other, each with its .src
+
+
+def test_a_store_too_large_for_the_free_disk_is_not_written(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "packed"
+    store = PackedStore(model_dir, root)
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage._replace(free=4 * 4 * BLOCK - 1))
+    store.save([("a", BLOCK, 1)], [torch.zeros(BLOCK)])  # 128 bytes > a quarter of 511
+    assert list(root.glob("*.f32")) == []
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage._replace(free=4 * 4 * BLOCK))
+    store.save([("a", BLOCK, 1)], [torch.zeros(BLOCK)])
+    assert len(list(root.glob("*.f32"))) == 1

@@ -22,7 +22,9 @@ Rules:
 - Each entry has a ``.src`` beside it naming its model folder. A save first removes the entries
   whose folder is gone (a model converted into a temporary folder, as tests do, leaves nothing for
   long); the entries of folders that still exist stay, one per model version, each its weights'
-  size (logged when written). Removing the folder is always safe.
+  size (logged when written). A store larger than a quarter of the folder's free disk is not written
+  (a model of tens of GB would double its footprint unasked): those starts pack every time. Removing
+  the folder is always safe.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import hashlib
 import logging
 import mmap
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -41,6 +44,7 @@ from trioserve.worker.native_kernels import BLOCK, SOURCES
 
 log = logging.getLogger("trioserve.worker")
 
+MAX_SHARE_OF_FREE = 0.25  # of the cache folder's free disk a store may take
 Plan = list[tuple[str, int, int]]  # (linear's name, out features, in features), in packing order
 
 
@@ -96,6 +100,14 @@ class PackedStore:
             path = self.path(plan)
             path.parent.mkdir(parents=True, exist_ok=True)
             self._prune()
+            size = sum(t.numel() for t in tensors) * 4
+            free = shutil.disk_usage(path.parent).free
+            if size > free * MAX_SHARE_OF_FREE:
+                log.info(
+                    "packed weights not stored: %.0f MB would take more than a quarter of the %.0f MB "
+                    "free in %s; every start packs them", size / 1e6, free / 1e6, path.parent,
+                )  # fmt: skip
+                return
             fd, staging = tempfile.mkstemp(dir=path.parent, prefix=".packing-")
             with os.fdopen(fd, "wb") as file:
                 for tensor in tensors:
@@ -103,7 +115,6 @@ class PackedStore:
             os.replace(staging, path)
             staging = None
             path.with_suffix(".src").write_text(str(self.model_dir), encoding="utf-8")
-            size = sum(t.numel() for t in tensors) * 4
             log.info("packed weights stored in %s (%.0f MB) for the next start", path, size / 1e6)
         except OSError as error:
             log.warning("packed weights not stored (%s): the next start packs them again", error)
