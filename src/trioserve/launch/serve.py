@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import socket
+import subprocess
 import sys
 import time
 from typing import TYPE_CHECKING
@@ -40,6 +42,7 @@ from trioserve.runtime.process import (
 )
 from trioserve.runtime.reaper import TERM_GRACE, reap
 from trioserve.transport.security import configure_security, serve_zap
+from trioserve.worker.kv_prefault import NVIDIA_NODE
 
 if TYPE_CHECKING:  # the API server's modules (transformers' tokenizer, torch under it) load after the
     # engine process is started: see ``serve``
@@ -230,8 +233,16 @@ def resolve_model(config: ServeConfig) -> ServeConfig:
     if model is None:
         from trioserve.models.embedded_model import MODEL_NAME, ensure_default_model
 
-        model = str(ensure_default_model(progress=log.info))
+        converted: list[str] = []
+
+        def progress(message: str) -> None:
+            converted.append(message)
+            log.info("%s", message)
+
+        model = str(ensure_default_model(progress=progress))
         names = names or (MODEL_NAME,)
+        if converted and packs_for_cpu_kernels(config):
+            pack_weights(model)
     geometry = KVGeometry.from_model_dir(model)
     max_len = config.model.max_model_len
     if geometry.max_position_embeddings:
@@ -239,6 +250,33 @@ def resolve_model(config: ServeConfig) -> ServeConfig:
     return override(
         config, model=model, served_model_name=names, max_model_len=max_len, vocab_size=geometry.vocab_size
     )
+
+
+def packs_for_cpu_kernels(config: ServeConfig) -> bool:
+    """The workers will pack the model's linears for the native CPU kernels (one rank each, float32
+    on the CPU): what ``worker/packed_store.py`` keeps."""
+    worker = config.worker
+    on_cpu = worker.device == "cpu" or (worker.device == "auto" and not os.path.exists(NVIDIA_NODE))
+    return (
+        on_cpu
+        and worker.dtype in ("auto", "float32")
+        and worker.cpu_kernels != "torch"
+        and worker.tensor_parallel_size == 1
+    )
+
+
+def pack_weights(folder: str) -> None:
+    """Pack and store a just-converted model's weights in a child (this process imports no torch), so
+    the first start after the conversion is as fast as the later ones; a failure costs only that."""
+    log.info("packing the weights for the CPU kernels (first run only)...")
+    started = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "trioserve.worker.pack_main", folder], stdin=subprocess.DEVNULL, check=False
+    )
+    if done.returncode == 0:
+        log.info("packed in %.1f s", time.perf_counter() - started)
+    else:
+        log.warning("packing the weights failed (exit code %d): the workers pack them", done.returncode)
 
 
 def run_serve(config: ServeConfig) -> int:
