@@ -53,7 +53,7 @@ async def join_frontends(
 ) -> EngineSockets:
     codec = handshake_codec()
     hs = TrioZmqSocket.create(ctx, zmq.DEALER, connect=handshake_address)
-    monitor = TrioZmqSocket(hs.raw.get_monitor_socket(HANDSHAKE_FAILED))
+    monitor = hs.monitor(HANDSHAKE_FAILED)
     try:
         await hs.send_multipart([codec.encode(EngineHello(ready.engine_index, os.getpid()))])
         refused = 0
@@ -85,7 +85,7 @@ async def join_frontends(
     for client in welcome.clients:
         dealer = TrioZmqSocket.create(ctx, zmq.DEALER, connect=client.input_address, identity=identity)
         sockets.inputs.append(dealer)
-        sockets.monitors.append(TrioZmqSocket(dealer.raw.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)))
+        sockets.monitors.append(dealer.monitor(zmq.EVENT_HANDSHAKE_SUCCEEDED))
         sockets.outputs.append(
             TrioZmqSocket.create(ctx, zmq.PUSH, connect=client.output_address, sndhwm=output_hwm)
         )

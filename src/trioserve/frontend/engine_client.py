@@ -490,7 +490,7 @@ class EngineClient:
         welcome = codec.encode(Welcome(self._welcome, coordinator_address=self._coordinator_address))
         monitor = None
         if self.handshake_address is not None and self.handshake_address.startswith("tcp://"):
-            monitor = TrioZmqSocket(hs.raw.get_monitor_socket(HANDSHAKE_FAILED))
+            monitor = hs.monitor(HANDSHAKE_FAILED)
         refused = 0
         while True:
             frames = hs.try_recv_multipart()

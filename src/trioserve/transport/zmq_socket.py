@@ -11,12 +11,19 @@ pyzmq has no Trio integration, so this follows the rules libzmq sets for foreign
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import trio
 import zmq
 
 from trioserve.transport.security import secure
+
+# Monitor endpoints named by a process-wide count. pyzmq's default name is the socket's fd, and a
+# closed socket's monitor endpoint is unbound by libzmq's reaper thread some time after the close: a
+# new socket that got the same fd number meanwhile failed to bind its monitor ("Address already in
+# use", seen once in the test suite's in-process engines).
+_MONITORS = itertools.count()
 
 
 class TrioZmqSocket:
@@ -57,6 +64,12 @@ class TrioZmqSocket:
             sock.close(linger=0)
             raise
         return cls(sock)
+
+    def monitor(self, events: int) -> TrioZmqSocket:
+        """A PAIR socket that receives this socket's ``events`` (``zmq_socket_monitor``), on an
+        endpoint no other monitor in this process has used."""
+        name = f"inproc://trioserve-monitor-{next(_MONITORS)}"
+        return TrioZmqSocket(self._sock.get_monitor_socket(events, addr=name))
 
     @property
     def raw(self) -> zmq.Socket[bytes]:
