@@ -18,6 +18,7 @@ from trioserve.config import WorkerConfig
 from trioserve.models.geometry import KVGeometry
 from trioserve.protocol.ring_layout import RingHandle
 from trioserve.protocol.worker_messages import WorkerLaunch
+from trioserve.runtime import placement
 from trioserve.worker import kv_prefault
 from trioserve.worker.kv_prefault import PoolPlan, Prefault, pool_plan, population_order
 from trioserve.worker.paged_attention import PagedKVCache
@@ -122,7 +123,7 @@ def test_the_plan_is_the_pool_the_worker_allocates(tmp_path: Path, monkeypatch: 
         assert plan == PoolPlan(blocks * geometry.bytes_per_block(16, name), 6)
     assert pool_plan(launch(tmp_path, device="cuda")) is None
     assert pool_plan(launch(tmp_path, device="cpu", tp=2)) is None  # ranks agree on it after loading
-    monkeypatch.setattr(kv_prefault, "NVIDIA_NODE", str(tmp_path / "config.json"))  # "a GPU host"
+    monkeypatch.setattr(placement, "NVIDIA_NODE", str(tmp_path / "config.json"))  # "a GPU host"
     assert pool_plan(launch(tmp_path, device="auto")) is None
     assert pool_plan(launch(tmp_path, device="cpu")) is not None
     assert kv_prefault.start(launch(tmp_path / "missing", device="cpu")) is None  # the load says why

@@ -11,6 +11,7 @@ import pytest
 from tests.unit.test_model_runner import tiny_model
 from trioserve.config import ServeConfig, override
 from trioserve.launch.serve import packs_for_cpu_kernels
+from trioserve.runtime import placement
 from trioserve.worker import pack_main
 from trioserve.worker.model_runner import ModelRunner, RunnerConfig
 from trioserve.worker.native_kernels import NativeKernels
@@ -51,8 +52,8 @@ def test_the_worker_reads_what_pack_main_stored(tmp_path: Path, monkeypatch: pyt
 def test_when_serve_packs_after_converting(
     settings: dict[str, object], packs: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("trioserve.launch.serve.os.path.exists", lambda _: False)  # no NVIDIA device
+    monkeypatch.setattr(placement, "NVIDIA_NODE", "/nonexistent")  # no NVIDIA device
     assert packs_for_cpu_kernels(override(ServeConfig(), **settings)) is packs
     if not settings:
-        monkeypatch.setattr("trioserve.launch.serve.os.path.exists", lambda _: True)  # one there
+        monkeypatch.setattr(placement, "NVIDIA_NODE", __file__)  # one there
         assert not packs_for_cpu_kernels(ServeConfig())

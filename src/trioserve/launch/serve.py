@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import socket
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from trioserve.launch.engine_supervisor import EngineFailed, EngineStartupError,
 from trioserve.launch.ipc_dir import ipc_dir as make_ipc_dir
 from trioserve.launch.ipc_dir import sweep_stale
 from trioserve.models.geometry import KVGeometry
+from trioserve.runtime.placement import on_cpu
 from trioserve.runtime.process import (
     raise_open_file_limit,
     set_title,
@@ -42,7 +42,6 @@ from trioserve.runtime.process import (
 )
 from trioserve.runtime.reaper import TERM_GRACE, reap
 from trioserve.transport.security import configure_security, serve_zap
-from trioserve.worker.kv_prefault import NVIDIA_NODE
 
 if TYPE_CHECKING:  # the API server's modules (transformers' tokenizer, torch under it) load after the
     # engine process is started: see ``serve``
@@ -256,9 +255,8 @@ def packs_for_cpu_kernels(config: ServeConfig) -> bool:
     """The workers will pack the model's linears for the native CPU kernels (one rank each, float32
     on the CPU): what ``worker/packed_store.py`` keeps."""
     worker = config.worker
-    on_cpu = worker.device == "cpu" or (worker.device == "auto" and not os.path.exists(NVIDIA_NODE))
     return (
-        on_cpu
+        on_cpu(worker.device)
         and worker.dtype in ("auto", "float32")
         and worker.cpu_kernels != "torch"
         and worker.tensor_parallel_size == 1

@@ -210,6 +210,16 @@ def check_placement(devices: Sequence[Device], ranks: int, cpus: frozenset[int],
             raise PlacementError(f"{device}: this process may use {allowed} only")
 
 
+NVIDIA_NODE = "/dev/nvidiactl"
+
+
+def on_cpu(device: str) -> bool:
+    """A worker ``--device`` that runs on the CPU, known without torch: ``cpu``, or ``auto`` where the
+    host has no NVIDIA device node (if that is wrong either way, what is prepared for the CPU before
+    the worker's load, its KV pool's pages or its packed weights, goes unused)."""
+    return device == "cpu" or (device == "auto" and not os.path.exists(NVIDIA_NODE))
+
+
 def cuda_device_count() -> int:
     """GPUs on this host, without importing torch into the calling process (nvidia device nodes)."""
     return sum(1 for p in Path("/dev").glob("nvidia[0-9]*"))

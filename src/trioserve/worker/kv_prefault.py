@@ -30,9 +30,9 @@ Rules:
   before. A mapping of another size than asked is never handed out. A population that fails part way
   (out of memory) is logged; the rest of the pool faults in as written.
 - The plan (``pool_plan``) is the same arithmetic as the worker's load (``KVGeometry.blocks_for``),
-  for the cases whose pool is known before torch: one rank, on the CPU (``auto`` counts as the CPU
-  where the host has no NVIDIA device node; if that is wrong either way, the pool is only allocated in
-  line, or a prefaulted one is released unused).
+  for the cases whose pool is known before torch: one rank, on the CPU (``runtime.placement.on_cpu``:
+  ``auto`` counts as the CPU where the host has no NVIDIA device node; if that is wrong either way,
+  the pool is only allocated in line, or a prefaulted one is released unused).
 
 This module imports no torch: it runs before torch is imported.
 """
@@ -51,12 +51,12 @@ from typing import Any
 
 from trioserve.models.geometry import KVGeometry
 from trioserve.protocol.worker_messages import WorkerLaunch
+from trioserve.runtime.placement import on_cpu
 
 log = logging.getLogger("trioserve.worker")
 
 MADV_POPULATE_WRITE = 23  # linux/mman.h, since 5.14
 ROUND_BYTES = 256 << 20  # populated per round, over all planes
-NVIDIA_NODE = "/dev/nvidiactl"
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,8 +68,9 @@ class PoolPlan:
 def pool_plan(launch: WorkerLaunch) -> PoolPlan | None:
     """The CPU KV pool this worker will allocate, when it is known before torch."""
     worker = launch.worker
-    on_cpu = worker.device == "cpu" or (worker.device == "auto" and not os.path.exists(NVIDIA_NODE))
-    if launch.tensor_parallel_size != 1 or not on_cpu:  # ranks agree on their pool after loading
+    if launch.tensor_parallel_size != 1 or not on_cpu(
+        worker.device
+    ):  # ranks agree on their pool after loading
         return None
     dtype = "float32" if worker.dtype == "auto" else worker.dtype
     geometry = KVGeometry.from_model_dir(launch.model)

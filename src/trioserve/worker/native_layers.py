@@ -65,6 +65,9 @@ def _norm_forward(norm: Any, kernels: NativeKernels) -> Any:
 
 
 def _attention_forward(attn: Any, kernels: NativeKernels) -> Any:
+    qk_norms = hasattr(attn, "q_norm")  # Qwen3: RMSNorm over each head before the rotary embedding
+    window = {"sliding_window": attn.sliding_window} if hasattr(attn, "sliding_window") else {}
+
     def forward(
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
@@ -79,13 +82,11 @@ def _attention_forward(attn: Any, kernels: NativeKernels) -> Any:
         query = attn.q_proj(hidden_states).view(hidden_shape)  # [1, T, H, D]
         key = attn.k_proj(hidden_states).view(hidden_shape)
         value = attn.v_proj(hidden_states).view(hidden_shape)
-        if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before the rotary embedding
+        if qk_norms:
             query, key = attn.q_norm(query), attn.k_norm(key)
         cos, sin = position_embeddings
         query = kernels.rope(query.contiguous(), cos, sin)
         key = kernels.rope(key.contiguous(), cos, sin)
-        if hasattr(attn, "sliding_window"):
-            kwargs["sliding_window"] = attn.sliding_window
         out, _ = paged_attention(
             attn,
             query.transpose(1, 2),
@@ -93,6 +94,7 @@ def _attention_forward(attn: Any, kernels: NativeKernels) -> Any:
             value.transpose(1, 2),
             attention_mask,
             scaling=attn.scaling,
+            **window,
             **kwargs,
         )
         result: torch.Tensor = attn.o_proj(out.reshape(*input_shape, -1).contiguous())

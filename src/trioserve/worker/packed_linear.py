@@ -138,6 +138,7 @@ def pack_linears(
     sizes = [packed_size(out, into) for _, out, into in plan]
     stored = store.load(plan, sum(sizes)) if store is not None and plan else None
     copies: list[torch.Tensor] = []
+    offset = 0  # into ``stored``: the sizes of the copies so far
     for name, module in targets:
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -146,8 +147,9 @@ def pack_linears(
             tied = [other for other in others if _plain_embedding(model.get_submodule(other))]
             alone = others == tied and len(tied) <= 1  # nothing but a tied embedding holds it
             in_place = alone and module.out_features % BLOCK == 0 and module.weight.is_contiguous()
-            start = sum(sizes[: len(copies)])
-            given = None if stored is None else stored[start : start + sizes[len(copies)]]
+            size = sizes[len(copies)]
+            given = None if stored is None else stored[offset : offset + size]
+            offset += size
             linear = BlockedLinear(module, kernels, in_place and given is None, given)
             copies.append(linear.packed)
             for other in tied if alone and (in_place or given is not None) else []:
