@@ -13,8 +13,11 @@
  * - x is [m, k] and y is [m, n], float32 row-major; bias is [n] or NULL.
  * - One call writes the columns of blocks first .. last - 1 for every row, nothing else, so calls on
  *   disjoint block ranges may run at once (one per thread) on the same x and y.
- * - Rows go in tiles of up to ROWS (the tile's accumulators stay in vector registers: ROWS x BLOCK
- *   floats); a block is read from memory for its first tile and from cache for the others.
+ * - Up to 8 rows, tiles of FULL_ROWS rows by the whole block; more, of ROWS rows by WIDTH columns
+ *   (a tile's accumulators stay in vector registers: the counts below are per instruction set). A
+ *   block is read from memory for its first tile and from cache for the others; while the later
+ *   whole-block tiles run, the next block's lines are prefetched. Past 8 rows, x goes in panels of
+ *   PANEL_BYTES, each against every block, so a panel is read from L2, not L3, by every block.
  * - Each step over i asks for the block's lines PREFETCH steps ahead (2 KB): without it the Xeon above
  *   read weights at 6.8-8.2 GB/s at 8 rows, 0.74-0.81x oneDNN's speed; with it 8.9-11.3 GB/s. A
  *   prefetch past the block's end reads the next block's start or nothing: it never faults.
@@ -25,8 +28,21 @@
 #include <string.h>
 
 #define BLOCK 32
-#define ROWS 8
 #define PREFETCH 16
+#define PANEL_BYTES (384 << 10) /* x rows per panel: with a block, well inside a 512 KB L2 */
+#if defined(__AVX512F__)
+/* 32 zmm registers: a tile of 8 rows by the whole block is 16 accumulators */
+#define ROWS 8
+#define WIDTH 32
+#define FULL_ROWS 8
+#else
+/* 16 ymm registers: tiles of 3 rows by the whole block (12 accumulators) or of 6 rows by half of it
+ * (12 again); 8 rows by the whole block, as above, spill (0.44-0.57x oneDNN at 32 and 1,024 rows on
+ * an AMD EPYC without AVX-512; these tiles: 0.95-1.1x at 32 and 1,024, 1.0-1.3x at 8) */
+#define ROWS 6
+#define WIDTH 16
+#define FULL_ROWS 3
+#endif
 
 void trioserve_pack_linear(const float *restrict w, int64_t n, int64_t k, float *restrict p) {
     const int64_t blocks = (n + BLOCK - 1) / BLOCK;
@@ -57,60 +73,104 @@ void trioserve_pack_linear_in_place(float *restrict w, int64_t n, int64_t k, flo
     }
 }
 
-/* rows (1 .. ROWS) rows of x against one block: a compile-time count in each inlined copy below, so
- * the accumulators are registers, not memory. */
-static inline __attribute__((always_inline)) void tile(const float *restrict x, const int rows, int64_t k,
-                                                       const float *restrict block, const float *restrict bias,
-                                                       float *restrict y, int64_t n, int64_t cols) {
-    float acc[ROWS][BLOCK] __attribute__((aligned(64)));
+/* rows (1 .. ROWS) rows of x against width (WIDTH or BLOCK) columns of one block starting at column
+ * `first_col` of it: compile-time counts in each inlined copy below, so the accumulators are registers,
+ * not memory. */
+static inline __attribute__((always_inline)) void tile(const float *restrict x, const int rows, const int width,
+                                                       int64_t k, const float *restrict block, int first_col,
+                                                       const float *restrict bias, float *restrict y, int64_t n,
+                                                       int64_t cols, const float *next, int next_lines) {
+    float acc[ROWS > FULL_ROWS ? ROWS : FULL_ROWS][BLOCK] __attribute__((aligned(64)));
+    const float *restrict w = block + first_col;
     for (int r = 0; r < rows; r++)
 #pragma omp simd
-        for (int j = 0; j < BLOCK; j++) acc[r][j] = 0.0f;
+        for (int j = 0; j < width; j++) acc[r][j] = 0.0f;
     for (int64_t i = 0; i < k; i++) {
-        const float *restrict wi = block + i * BLOCK;
-        __builtin_prefetch(wi + PREFETCH * BLOCK); /* the block's next two lines, PREFETCH rows ahead */
-        __builtin_prefetch(wi + PREFETCH * BLOCK + 16);
+        const float *restrict wi = w + i * BLOCK;
+        __builtin_prefetch(wi + PREFETCH * BLOCK); /* this tile's lines of the block, PREFETCH rows ahead */
+        if (width > 16) __builtin_prefetch(wi + PREFETCH * BLOCK + 16);
+        if (next_lines) { /* a tile reading its block from cache: the next block's lines meanwhile */
+            __builtin_prefetch(next + i * BLOCK, 0, 2);
+            if (next_lines > 1) __builtin_prefetch(next + i * BLOCK + 16, 0, 2);
+        }
         for (int r = 0; r < rows; r++) {
             const float xi = x[r * k + i];
 #pragma omp simd
-            for (int j = 0; j < BLOCK; j++) acc[r][j] += xi * wi[j];
+            for (int j = 0; j < width; j++) acc[r][j] += xi * wi[j];
         }
     }
+    /* the columns of this tile that exist: all of it but in the last block */
+    const int64_t out = cols - first_col < width ? cols - first_col : width;
+    const float *restrict bb = bias ? bias + first_col : 0;
     for (int r = 0; r < rows; r++) {
-        float *restrict yr = y + r * n;
-        if (cols == BLOCK && bias) {
+        float *restrict yr = y + r * n + first_col;
+        if (out == width && bb) {
 #pragma omp simd
-            for (int j = 0; j < BLOCK; j++) yr[j] = acc[r][j] + bias[j];
-        } else if (cols == BLOCK) {
+            for (int j = 0; j < width; j++) yr[j] = acc[r][j] + bb[j];
+        } else if (out == width) {
 #pragma omp simd
-            for (int j = 0; j < BLOCK; j++) yr[j] = acc[r][j];
+            for (int j = 0; j < width; j++) yr[j] = acc[r][j];
         } else {
-            for (int64_t j = 0; j < cols; j++) yr[j] = bias ? acc[r][j] + bias[j] : acc[r][j];
+            for (int64_t j = 0; j < out; j++) yr[j] = bb ? acc[r][j] + bb[j] : acc[r][j];
         }
     }
 }
 
+#define TILE(rows, width) tile(xt, rows, width, k, block, c0, bb, yt, n, cols, next, next_lines)
+
 void trioserve_blocked_linear(const float *restrict x, int64_t m, int64_t k, const float *restrict p,
                               int64_t n, const float *restrict bias, float *restrict y, int64_t first,
                               int64_t last) {
-    for (int64_t b = first; b < last; b++) {
-        const float *block = p + b * k * BLOCK;
-        const int64_t col = b * BLOCK;
-        const int64_t cols = n - col < BLOCK ? n - col : BLOCK;
-        const float *bb = bias ? bias + col : 0;
-        for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
-            const float *xt = x + r0 * k;
-            float *yt = y + r0 * n + col;
-            switch (m - r0 < ROWS ? m - r0 : ROWS) {
-            case 1: tile(xt, 1, k, block, bb, yt, n, cols); break;
-            case 2: tile(xt, 2, k, block, bb, yt, n, cols); break;
-            case 3: tile(xt, 3, k, block, bb, yt, n, cols); break;
-            case 4: tile(xt, 4, k, block, bb, yt, n, cols); break;
-            case 5: tile(xt, 5, k, block, bb, yt, n, cols); break;
-            case 6: tile(xt, 6, k, block, bb, yt, n, cols); break;
-            case 7: tile(xt, 7, k, block, bb, yt, n, cols); break;
-            default: tile(xt, ROWS, k, block, bb, yt, n, cols); break;
-            }
+    /* up to 8 rows (a decode step's), tiles of FULL_ROWS by the whole block: one stream per block;
+     * more rows, tiles of ROWS by WIDTH, in panels of rows that stay in L2 across all blocks */
+    const int rows = m <= 8 ? FULL_ROWS : ROWS;
+    const int width = m <= 8 ? BLOCK : WIDTH;
+    int64_t panel = PANEL_BYTES / (4 * k) / rows * rows;
+    if (panel < rows) panel = rows;
+    for (int64_t p0 = 0; p0 < m; p0 += panel) {
+        const int64_t p1 = m - p0 < panel ? m : p0 + panel;
+        for (int64_t b = first; b < last; b++) {
+            const float *block = p + b * k * BLOCK;
+            const int64_t col = b * BLOCK;
+            const int64_t cols = n - col < BLOCK ? n - col : BLOCK;
+            const float *bb = bias ? bias + col : 0;
+            for (int c0 = 0; c0 < cols; c0 += width)
+                for (int64_t r0 = p0; r0 < p1; r0 += rows) {
+                    /* whole-block tiles after the first spread the next block's lines between them */
+                    const int64_t t = r0 / rows, later = (m + rows - 1) / rows - 1;
+                    const int next_lines = width == BLOCK && b + 1 < last && t > 0 ? (later == 1 ? 2 : t <= 2) : 0;
+                    const float *next = next_lines ? block + k * BLOCK + (later > 1 && t == 2 ? 16 : 0) : 0;
+                    const float *xt = x + r0 * k;
+                    float *yt = y + r0 * n + col;
+                    const int64_t left = p1 - r0 < rows ? p1 - r0 : rows;
+                    if (width == BLOCK) {
+                        switch (left) {
+                        case 1: TILE(1, BLOCK); break;
+                        case 2: TILE(2, BLOCK); break;
+#if FULL_ROWS > 3
+                        case 3: TILE(3, BLOCK); break;
+                        case 4: TILE(4, BLOCK); break;
+                        case 5: TILE(5, BLOCK); break;
+                        case 6: TILE(6, BLOCK); break;
+                        case 7: TILE(7, BLOCK); break;
+#endif
+                        default: TILE(FULL_ROWS, BLOCK); break;
+                        }
+                    } else {
+                        switch (left) {
+                        case 1: TILE(1, WIDTH); break;
+                        case 2: TILE(2, WIDTH); break;
+                        case 3: TILE(3, WIDTH); break;
+                        case 4: TILE(4, WIDTH); break;
+                        case 5: TILE(5, WIDTH); break;
+#if ROWS > 6
+                        case 6: TILE(6, WIDTH); break;
+                        case 7: TILE(7, WIDTH); break;
+#endif
+                        default: TILE(ROWS, WIDTH); break;
+                        }
+                    }
+                }
         }
     }
 }
