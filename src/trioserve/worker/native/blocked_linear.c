@@ -136,9 +136,9 @@ void trioserve_blocked_linear(const float *restrict x, int64_t m, int64_t k, con
             const float *bb = bias ? bias + col : 0;
             for (int c0 = 0; c0 < cols; c0 += width)
                 for (int64_t r0 = p0; r0 < p1; r0 += rows) {
-                    /* whole-block tiles after the first spread the next block's lines between them */
+                    /* up to 8 rows, whole-block tiles after the first spread the next block's lines between them */
                     const int64_t t = r0 / rows, later = (m + rows - 1) / rows - 1;
-                    const int next_lines = width == BLOCK && b + 1 < last && t > 0 ? (later == 1 ? 2 : t <= 2) : 0;
+                    const int next_lines = m <= 8 && b + 1 < last && t > 0 ? (later == 1 ? 2 : t <= 2) : 0;
                     const float *next = next_lines ? block + k * BLOCK + (later > 1 && t == 2 ? 16 : 0) : 0;
                     const float *xt = x + r0 * k;
                     float *yt = y + r0 * n + col;
