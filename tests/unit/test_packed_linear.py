@@ -39,7 +39,9 @@ def pack(request: pytest.FixtureRequest, kernels: NativeKernels) -> Callable[[nn
 
 
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("shape", [(1, 48), (3, 48), (4, 48), (7, 48), (8, 48), (9, 48), (1, 33, 48), (200, 48), (0, 48)])
+@pytest.mark.parametrize(
+    "shape", [(1, 48), (3, 48), (4, 48), (7, 48), (8, 48), (9, 48), (1, 33, 48), (200, 48), (0, 48)]
+)
 @pytest.mark.parametrize("out", [80, 2 * BLOCK, 5])
 def test_same_products_as_the_linear(
     pack: Callable[[nn.Linear], nn.Module], bias: bool, shape: tuple[int, ...], out: int

@@ -38,7 +38,7 @@
 #else
 /* 16 ymm registers: tiles of 3 rows by the whole block (12 accumulators) or of 6 rows by half of it
  * (12 again); 8 rows by the whole block, as above, spill (0.44-0.57x oneDNN at 32 and 1,024 rows on
- * an AMD EPYC without AVX-512; these tiles: 0.95-1.1x at 32 and 1,024, 1.0-1.3x at 8) */
+ * an AMD EPYC without AVX-512; these tiles: 0.93-1.13x at 32 and 1,024, 0.99-1.37x at 1-8) */
 #define ROWS 6
 #define WIDTH 16
 #define FULL_ROWS 3
