@@ -13,11 +13,15 @@
  * - x is [m, k] and y is [m, n], float32 row-major; bias is [n] or NULL.
  * - One call writes the columns of blocks first .. last - 1 for every row, nothing else, so calls on
  *   disjoint block ranges may run at once (one per thread) on the same x and y.
- * - Up to 8 rows, tiles of FULL_ROWS rows by the whole block; more, of ROWS rows by WIDTH columns
- *   (a tile's accumulators stay in vector registers: the counts below are per instruction set). A
- *   block is read from memory for its first tile and from cache for the others; while the later
- *   whole-block tiles run, the next block's lines are prefetched. Past 8 rows, x goes in panels of
- *   PANEL_BYTES, each against every block, so a panel is read from L2, not L3, by every block.
+ * - Up to 8 rows, tiles of FULL_ROWS rows by the whole block; more, of ROWS rows by WIDTH columns,
+ *   and where WIDTH is half a block, a panel's last rows, if FULL_ROWS or fewer, in one tile by the
+ *   whole block (a tile's accumulators stay in vector registers: the counts below are per
+ *   instruction set). Past 8 rows, x goes in panels of PANEL_BYTES, each against every block, so a
+ *   panel is read from L2, not L3, by every block.
+ * - The weights a tile reads (a block, or half of one) come from memory for its first tile and from
+ *   cache for the others; the later tiles prefetch the weights read next (the next block, or the
+ *   block's other half) between them (`struct ahead`), so no first tile waits on memory for all of
+ *   its weights.
  * - Each step over i asks for the block's lines PREFETCH steps ahead (2 KB): without it the Xeon above
  *   read weights at 6.8-8.2 GB/s at 8 rows, 0.74-0.81x oneDNN's speed; with it 8.9-11.3 GB/s. A
  *   prefetch past the block's end reads the next block's start or nothing: it never faults.
@@ -73,13 +77,29 @@ void trioserve_pack_linear_in_place(float *restrict w, int64_t n, int64_t k, flo
     }
 }
 
+/* Lines of weights a tile asks for while it runs: from `at`, one or two lines (`lines`; 0: none) of
+ * each row of the packed layout, one row a step over i, or, spread, `left` rows, one every `every`
+ * steps. */
+struct ahead {
+    const float *at;
+    int64_t left;
+    int64_t every, wait;
+    int lines;
+};
+
+static struct ahead ahead_of(const float *at, int64_t from, int64_t count, int64_t k, int lines) {
+    const int64_t every = count > 0 ? k / count : 1;
+    const struct ahead a = {at ? at + from * BLOCK : 0, at ? count : 0, every, every, at ? lines : 0};
+    return a;
+}
+
 /* rows (1 .. ROWS) rows of x against width (WIDTH or BLOCK) columns of one block starting at column
  * `first_col` of it: compile-time counts in each inlined copy below, so the accumulators are registers,
  * not memory. */
 static inline __attribute__((always_inline)) void tile(const float *restrict x, const int rows, const int width,
                                                        int64_t k, const float *restrict block, int first_col,
                                                        const float *restrict bias, float *restrict y, int64_t n,
-                                                       int64_t cols, const float *next, int next_lines) {
+                                                       int64_t cols, const int spread, struct ahead ahead) {
     float acc[ROWS > FULL_ROWS ? ROWS : FULL_ROWS][BLOCK] __attribute__((aligned(64)));
     const float *restrict w = block + first_col;
     for (int r = 0; r < rows; r++)
@@ -89,9 +109,17 @@ static inline __attribute__((always_inline)) void tile(const float *restrict x, 
         const float *restrict wi = w + i * BLOCK;
         __builtin_prefetch(wi + PREFETCH * BLOCK); /* this tile's lines of the block, PREFETCH rows ahead */
         if (width > 16) __builtin_prefetch(wi + PREFETCH * BLOCK + 16);
-        if (next_lines) { /* a tile reading its block from cache: the next block's lines meanwhile */
-            __builtin_prefetch(next + i * BLOCK, 0, 2);
-            if (next_lines > 1) __builtin_prefetch(next + i * BLOCK + 16, 0, 2);
+        /* reading from cache: the next weights meanwhile (a countdown past 8 rows; up to 8, where the
+         * loop waits on memory, one row of them a step: the countdown there cost 3-7 %) */
+        if (spread && ahead.left > 0 && --ahead.wait == 0) {
+            __builtin_prefetch(ahead.at, 0, 2);
+            if (ahead.lines > 1) __builtin_prefetch(ahead.at + 16, 0, 2);
+            ahead.at += BLOCK;
+            ahead.left--;
+            ahead.wait = ahead.every;
+        } else if (!spread && ahead.lines) {
+            __builtin_prefetch(ahead.at + i * BLOCK, 0, 2);
+            if (ahead.lines > 1) __builtin_prefetch(ahead.at + i * BLOCK + 16, 0, 2);
         }
         for (int r = 0; r < rows; r++) {
             const float xi = x[r * k + i];
@@ -116,7 +144,8 @@ static inline __attribute__((always_inline)) void tile(const float *restrict x, 
     }
 }
 
-#define TILE(rows, width) tile(xt, rows, width, k, block, c0, bb, yt, n, cols, next, next_lines)
+#define TILE(rows, width) tile(xt, rows, width, k, block, c0, bb, yt, n, cols, 1, ahead)
+#define TILE_UP_TO_8(rows) tile(xt, rows, BLOCK, k, block, c0, bb, yt, n, cols, 0, ahead)
 
 void trioserve_blocked_linear(const float *restrict x, int64_t m, int64_t k, const float *restrict p,
                               int64_t n, const float *restrict bias, float *restrict y, int64_t first,
@@ -134,16 +163,48 @@ void trioserve_blocked_linear(const float *restrict x, int64_t m, int64_t k, con
             const int64_t col = b * BLOCK;
             const int64_t cols = n - col < BLOCK ? n - col : BLOCK;
             const float *bb = bias ? bias + col : 0;
-            for (int c0 = 0; c0 < cols; c0 += width)
+            const int64_t tail = (p1 - p0) % rows;
+            const int whole_tail = width < BLOCK && tail > 0 && tail <= FULL_ROWS;
+            for (int c0 = 0; c0 < cols; c0 += width) {
+                /* the weights read next: the block's other half, else the next block */
+                const float *next = c0 + width < cols ? block + c0 + width : b + 1 < last ? block + k * BLOCK : 0;
+                const int64_t tiles = (p1 - p0 + rows - 1) / rows - (whole_tail && c0 > 0);
                 for (int64_t r0 = p0; r0 < p1; r0 += rows) {
-                    /* up to 8 rows, whole-block tiles after the first spread the next block's lines between them */
-                    const int64_t t = r0 / rows, later = (m + rows - 1) / rows - 1;
-                    const int next_lines = m <= 8 && b + 1 < last && t > 0 ? (later == 1 ? 2 : t <= 2) : 0;
-                    const float *next = next_lines ? block + k * BLOCK + (later > 1 && t == 2 ? 16 : 0) : 0;
+                    /* Every tile after the first reads its weights from cache, so those tiles ask for
+                     * the next weights between them. Up to 8 rows (whole-block tiles, one stream per
+                     * block): the second tile asks for both lines of each of the next block's rows,
+                     * or, with more tiles, the second and third one line each. More rows: the later
+                     * tiles ask for a share of the next half block's rows each, spread over their
+                     * steps, so its read from memory runs at the pace of their products instead of
+                     * stalling the next first tile (at 32 rows: 68 GFLOP/s with the weights in
+                     * memory, 91 with them in cache, before this). */
+                    const int64_t t = (r0 - p0) / rows;
+                    struct ahead ahead = ahead_of(0, 0, 0, k, 0);
+                    if (m <= 8 && next && t > 0 && (tiles == 2 || t <= 2))
+                        ahead = ahead_of(next + (tiles > 2 && t == 2 ? 16 : 0), 0, k, k, tiles == 2 ? 2 : 1);
+                    else if (m > 8 && t > 0 && t < tiles) {
+                        const int64_t share = (k + tiles - 2) / (tiles - 1);
+                        const int64_t from = (t - 1) * share;
+                        ahead = ahead_of(next, from, from < k ? (k - from < share ? k - from : share) : 0, k,
+                                         width / 16);
+                    }
                     const float *xt = x + r0 * k;
                     float *yt = y + r0 * n + col;
                     const int64_t left = p1 - r0 < rows ? p1 - r0 : rows;
-                    if (width == BLOCK) {
+                    if (m <= 8) { /* the same tiles as below with the spread prefetch compiled out */
+                        switch (left) {
+                        case 1: TILE_UP_TO_8(1); break;
+                        case 2: TILE_UP_TO_8(2); break;
+#if FULL_ROWS > 3
+                        case 3: TILE_UP_TO_8(3); break;
+                        case 4: TILE_UP_TO_8(4); break;
+                        case 5: TILE_UP_TO_8(5); break;
+                        case 6: TILE_UP_TO_8(6); break;
+                        case 7: TILE_UP_TO_8(7); break;
+#endif
+                        default: TILE_UP_TO_8(FULL_ROWS); break;
+                        }
+                    } else if (width == BLOCK) {
                         switch (left) {
                         case 1: TILE(1, BLOCK); break;
                         case 2: TILE(2, BLOCK); break;
@@ -156,6 +217,14 @@ void trioserve_blocked_linear(const float *restrict x, int64_t m, int64_t k, con
 #endif
                         default: TILE(FULL_ROWS, BLOCK); break;
                         }
+                    } else if (left <= FULL_ROWS && left < rows) {
+                        /* the panel's last rows, too few for a half-block tile to keep the FMA units
+                         * busy (2 rows by 16 columns is 4 accumulators): once, by the whole block */
+                        if (c0 == 0) switch (left) {
+                            case 1: TILE(1, BLOCK); break;
+                            case 2: TILE(2, BLOCK); break;
+                            default: TILE(FULL_ROWS, BLOCK); break;
+                            }
                     } else {
                         switch (left) {
                         case 1: TILE(1, WIDTH); break;
@@ -171,6 +240,7 @@ void trioserve_blocked_linear(const float *restrict x, int64_t m, int64_t k, con
                         }
                     }
                 }
+            }
         }
     }
 }
