@@ -138,6 +138,30 @@ def test_a_save_prunes_the_entries_of_folders_that_are_gone(tmp_path: Path) -> N
     assert len(names) == 4  # kept and other, each with its .src
 
 
+def test_a_folder_keeps_its_last_used_entries_only(model_dir: Path, tmp_path: Path) -> None:
+    """Each new key of one folder (another layout, checkpoint or plan) would leave another copy of
+    the weights behind: a save keeps the folder's last used entry besides its own, a load counts as
+    a use, and another folder's entries are not touched."""
+    root = tmp_path / "packed"
+    store = PackedStore(model_dir, root)
+    plans = [[("a", BLOCK, n)] for n in (1, 2, 3)]
+    other = tmp_path / "other"
+    other.mkdir()
+    PackedStore(other, root).save(plans[0], [torch.zeros(BLOCK)])
+    for n, plan in enumerate(plans[:2], 1):
+        store.save(plan, [torch.zeros(BLOCK * n)])
+    first, second = (store.path(plan) for plan in plans[:2])
+    now = second.with_suffix(".src").stat().st_mtime_ns
+    for entry, ago in ((first, 2), (second, 1)):  # first saved, then second, seconds apart
+        os.utime(entry.with_suffix(".src"), ns=(now - ago * 10**9, now - ago * 10**9))
+    assert store.load(plans[0], BLOCK) is not None  # first is now the last used
+    store.save(plans[2], [torch.zeros(BLOCK * 3)])
+    assert first.exists() and store.path(plans[2]).exists()
+    assert not second.exists() and not second.with_suffix(".src").exists()
+    assert PackedStore(other, root).path(plans[0]).exists()
+    assert len(list(root.glob("*.f32"))) == 3
+
+
 def test_a_store_too_large_for_the_free_disk_is_not_written(
     model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

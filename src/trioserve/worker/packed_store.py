@@ -19,16 +19,21 @@ Rules:
 - ``save`` writes the tensors one after another under a private name in the folder and renames it
   onto the key's name, so racing workers each see a whole file or none; a failure (a full or
   read-only disk) is logged and leaves nothing behind. A saved store is never rewritten.
-- Each entry has a ``.src`` beside it naming its model folder. A save first removes the entries
-  whose folder is gone (a model converted into a temporary folder, as tests do, leaves nothing for
-  long); the entries of folders that still exist stay, one per model version, each its weights'
-  size (logged when written). A store larger than a quarter of the folder's free disk is not written
+- Each entry has a ``.src`` beside it naming its model folder; a load that uses an entry touches
+  its ``.src``. A save first removes the entries whose folder is gone (a model converted into a
+  temporary folder, as tests do, leaves nothing for long) and, of its own folder's, all but the
+  ``KEEP_PER_FOLDER - 1`` last used: every key but one is then stale or another configuration's (a
+  checkpoint replaced in place, a trioserve whose layout changed, another set of linears), and
+  without this bound each such change left another copy of the weights on disk for good (13 of
+  SmolLM2's 540 MB on one development host). Two configurations of one folder alternating still
+  each find theirs. A store larger than a quarter of the folder's free disk is not written
   (a model of tens of GB would double its footprint unasked): those starts pack every time. Removing
   the folder is always safe.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import mmap
@@ -45,6 +50,7 @@ from trioserve.worker.native_kernels import BLOCK, SOURCES
 log = logging.getLogger("trioserve.worker")
 
 MAX_SHARE_OF_FREE = 0.25  # of the cache folder's free disk a store may take
+KEEP_PER_FOLDER = 2  # entries of one model folder kept: the last used, and the one being saved
 Plan = list[tuple[str, int, int]]  # (linear's name, out features, in features), in packing order
 
 
@@ -77,21 +83,29 @@ class PackedStore:
                 mapping = mmap.mmap(file.fileno(), 4 * floats, access=mmap.ACCESS_COPY)
         except OSError:
             return None
+        with contextlib.suppress(OSError):  # last used: what a save by another key keeps
+            os.utime(path.with_suffix(".src"))
         log.info("packed weights from %s", path)
         return torch.frombuffer(mapping, dtype=torch.float32, count=floats)  # it keeps the mapping
 
     def _prune(self) -> None:
         """Remove the entries whose model folder is gone (and any without a ``.src``: a crash between
-        a rename and its ``.src`` write, or a format before them)."""
+        a rename and its ``.src`` write, or a format before them), and all but the
+        ``KEEP_PER_FOLDER - 1`` last used of this store's folder."""
+        own: list[tuple[int, Path]] = []
         for entry in self.root.glob("*.f32"):
             source = entry.with_suffix(".src")
             try:
                 folder = Path(source.read_text(encoding="utf-8"))
+                used = source.stat().st_mtime_ns
             except OSError:
                 folder = None
             if folder is None or not folder.is_dir():
-                entry.unlink(missing_ok=True)
-                source.unlink(missing_ok=True)
+                _remove(entry)
+            elif folder == self.model_dir:
+                own.append((used, entry))
+        for _, entry in sorted(own, reverse=True)[KEEP_PER_FOLDER - 1 :]:
+            _remove(entry)
 
     def save(self, plan: Plan, tensors: list[torch.Tensor]) -> None:
         """Write ``tensors`` (the plan's packed copies, in its order) as the plan's store."""
@@ -121,3 +135,8 @@ class PackedStore:
         finally:
             if staging is not None:
                 Path(staging).unlink(missing_ok=True)
+
+
+def _remove(entry: Path) -> None:
+    entry.unlink(missing_ok=True)
+    entry.with_suffix(".src").unlink(missing_ok=True)
