@@ -60,8 +60,8 @@ def test_same_products_as_the_linear(
 @pytest.mark.parametrize("rows", [10, 11, 12, 13, 32, 137])
 def test_every_tiling_of_the_rows(kernels: NativeKernels, rows: int) -> None:
     """Past 8 rows the products go in tiles of a few rows by half a block, the last rows of a panel
-    by the whole block, and panels of x hold fewer rows the more inputs there are (1,536 inputs: 64
-    rows a panel on the AVX2 tiling), while later tiles prefetch the next weights: every row count
+    by the whole block, and panels of x hold fewer rows the more inputs there are (1,536 inputs: 60
+    rows a panel on AVX2, 64 on AVX-512), while later tiles prefetch the next weights: every row count
     here leaves another remainder, against a weight of several blocks and a partial last one."""
     torch.manual_seed(3)
     weight, bias = torch.randn(3 * BLOCK + 5, 1536), torch.randn(3 * BLOCK + 5)
