@@ -179,9 +179,28 @@ def test_sent_requests_are_expected_until_events_say_otherwise() -> None:
     assert policy.pick({0, 1}, key) == 0
     policy.apply_kv(KvEvents(0, [], [3]))  # the engine evicted block 3: the prefix is 3 blocks now
     assert policy.index.match(0, key.blocks) == 3
-    policy.apply_kv(KvEvents(0, [], [], cleared=True))  # a re-sync: the engine's truth replaces all
+    policy.apply_kv(KvEvents(0, [], [], cleared=True))  # a re-sync: the engine's truth...
+    assert policy.index.match(0, key.blocks) == 3  # ...but the request may be newer than its mirror
+    policy.apply_kv(KvEvents(0, [], [], cleared=True))  # a second: it never came true
     assert policy.index.match(0, key.blocks) == 0
     assert policy.pick({0, 1}, key) == 1  # dplb's rotation again
+
+
+def test_a_re_sync_keeps_what_was_sent_since_the_one_before() -> None:
+    """A re-sync's mirror can predate a request sent just before it arrives (the request's blocks
+    stored, their events still on the way): expected keys survive one re-sync, not two; a key sent
+    again counts from then."""
+    index = PrefixIndex(1)
+    index.expect(0, (1, 2, 3))
+    index.apply(KvEvents(0, [], [], cleared=True))
+    assert index.match(0, (1, 2, 3)) == 3
+    index.expect(0, (5, 3))  # sent after that re-sync (3 again)
+    index.apply(KvEvents(0, [9], [], cleared=True))  # a second: 1 and 2 never came true
+    assert [index.match(0, (k,)) for k in (1, 2, 3, 5, 9)] == [0, 0, 1, 1, 1]
+    assert index.num_keys(0) == (1, 2)
+    index.apply(KvEvents(0, [2], [], cleared=False))  # stored: confirmed, not expected
+    index.apply(KvEvents(0, [], [], cleared=True))
+    assert index.num_keys(0) == (0, 0)
 
 
 def test_the_index_is_bounded() -> None:

@@ -74,8 +74,12 @@ in vLLM's score knows where a prefix lives.
   spread over every engine before the first KV event came back (one publish interval at least).
   Expected keys are at most ``MAX_EXPECTED_KEYS`` per engine (least recently sent dropped first); a
   removal drops a key from both sets; a ``cleared`` message (a re-sync, every 5 s at the latest)
-  replaces both with the engine's truth, so an expectation that never came true (the request was
-  aborted before its prefill, or evicted at once) misleads for at most that long. Confirmed keys are
+  replaces the confirmed keys with the engine's truth and drops the expected keys sent before the
+  re-sync before it. Those sent since survive it: the mirror a re-sync carries can predate a request
+  this client sent (the request done, its blocks stored, their events still on their way), and
+  dropping its keys then sent the next request with the same prefix elsewhere (seen once in CI,
+  ``tests/multiproc/test_prefix_dispatch.py``). So an expectation that never came true (the request
+  was aborted before its prefill, or evicted at once) misleads for at most two re-syncs. Confirmed keys are
   at most ``MAX_INDEX_KEYS`` per engine (the coordinator's mirror bound). The index only steers:
   a wrong entry costs a cache miss, never a wrong answer.
 - **Cost** per request: hashing at most 256 blocks once, when the add is queued (about 1.2 µs a
@@ -340,7 +344,7 @@ class PrefixIndex:
     """Which block keys each engine holds, as far as this API server knows (the ``prefix`` policy's
     index; the module docstring states the rules). Pure."""
 
-    __slots__ = ("_confirmed", "_expected", "max_expected", "max_keys", "num_engines")
+    __slots__ = ("_confirmed", "_expected", "_resyncs", "max_expected", "max_keys", "num_engines")
 
     def __init__(
         self, num_engines: int, max_keys: int = MAX_INDEX_KEYS, max_expected: int = MAX_EXPECTED_KEYS
@@ -349,7 +353,9 @@ class PrefixIndex:
         self.max_keys = max_keys
         self.max_expected = max_expected
         self._confirmed: list[set[int]] = [set() for _ in range(num_engines)]
-        self._expected: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_engines)]
+        # key -> the engine's re-sync count when it was sent; in send order, so counts never decrease
+        self._expected: list[OrderedDict[int, int]] = [OrderedDict() for _ in range(num_engines)]
+        self._resyncs = [0] * num_engines
 
     def apply(self, events: KvEvents) -> None:
         """One engine's KV events (an engine index out of range is ignored)."""
@@ -359,7 +365,9 @@ class PrefixIndex:
         confirmed, expected = self._confirmed[i], self._expected[i]
         if events.cleared:
             confirmed.clear()
-            expected.clear()
+            self._resyncs[i] += 1
+            while expected and next(iter(expected.values())) < self._resyncs[i] - 1:
+                expected.popitem(last=False)  # sent before the re-sync before this one
         for key in events.removed:
             confirmed.discard(key)
             expected.pop(key, None)
@@ -382,7 +390,7 @@ class PrefixIndex:
         for key in blocks:
             if key in confirmed:
                 continue
-            expected[key] = None
+            expected[key] = self._resyncs[engine]
             expected.move_to_end(key)
         while len(expected) > self.max_expected:
             expected.popitem(last=False)
