@@ -77,11 +77,11 @@ in vLLM's score knows where a prefix lives.
   replaces the confirmed keys with the engine's truth and drops the expected keys sent before the
   re-sync before it. Those sent since survive it: the mirror a re-sync carries can predate a request
   this client sent (the request done, its blocks stored, their events still on their way), and
-  dropping its keys then sent the next request with the same prefix elsewhere (seen once in CI,
-  ``tests/multiproc/test_prefix_dispatch.py``). So an expectation that never came true (the request
-  was aborted before its prefill, or evicted at once) misleads for at most two re-syncs. Confirmed keys are
-  at most ``MAX_INDEX_KEYS`` per engine (the coordinator's mirror bound). The index only steers:
-  a wrong entry costs a cache miss, never a wrong answer.
+  dropping its keys would send the next request with the same prefix elsewhere (the likely cause of
+  one failure of ``tests/multiproc/test_prefix_dispatch.py`` in CI). So an expectation that never
+  came true (the request was aborted before its prefill, or evicted at once) misleads for at most
+  two re-syncs. Confirmed keys are at most ``MAX_INDEX_KEYS`` per engine (the coordinator's mirror
+  bound). The index only steers: a wrong entry costs a cache miss, never a wrong answer.
 - **Cost** per request: hashing at most 256 blocks once, when the add is queued (about 1.2 µs a
   block), and at pick at most 256 set lookups per ready engine.
 
