@@ -436,6 +436,13 @@ def _engine_flags(p: argparse.ArgumentParser, *, serve: bool) -> None:
         choices=True,
     )
     g.add(
+        "--model-impl",
+        "model_impl",
+        "model: trioserve's own Llama/Qwen3 decoder (trioserve; refused for other models), transformers' "
+        "AutoModelForCausalLM (transformers), or auto: the own one where it can, else transformers",
+        choices=True,
+    )
+    g.add(
         "--worker-threads",
         "worker_threads",
         f"model: torch CPU threads per worker, capped by its cores and cgroup quota (0: half of them, "

@@ -269,6 +269,10 @@ class WorkerConfig(_Section, frozen=True):
     # compiled here (worker/native_kernels.py), refused where they cannot run; "torch": torch's own
     # ops; "auto": each fast path where it builds. Other devices and dtypes: torch always.
     cpu_kernels: Literal["auto", "native", "torch"] = "auto"
+    # Which implementation runs the model (worker/model_loader.py): "trioserve", the own Llama/Qwen3
+    # decoder (refused for other models); "transformers", AutoModelForCausalLM; "auto": the own one
+    # where it can, else transformers.
+    model_impl: Literal["auto", "trioserve", "transformers"] = "auto"
     worker_threads: NonNegative = 0  # torch CPU threads per worker, capped by its budget; 0: half of it
     tensor_parallel_size: Positive = 1  # workers per engine core, each holding a shard of the weights
     worker_step_timeout: PositiveFloat = 300.0  # a step's hard limit; also how long an engine may be silent

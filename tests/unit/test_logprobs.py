@@ -44,7 +44,7 @@ from trioserve.protocol.worker_messages import (
     worker_output_codec,
 )
 from trioserve.worker import sampler as sampler_module
-from trioserve.worker.paged_attention import ATTN_IMPLEMENTATION
+from trioserve.worker.paged_attention import attach_to_transformers
 from trioserve.worker.sampler import Sampler, SamplingRow, token_logprobs
 
 V = 300
@@ -156,7 +156,7 @@ def reference_logprobs(model: Any, ids: list[int]) -> torch.Tensor:
         with torch.inference_mode():
             logits = model(torch.tensor([ids])).logits[0].float()
     finally:
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        attach_to_transformers(model)  # as a runner serving it left it
     return torch.log_softmax(logits, dim=-1)
 
 

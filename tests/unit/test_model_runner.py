@@ -1,6 +1,7 @@
 """The model runner against transformers' own ``generate()``: greedy output must match token for token,
 alone and batched, with chunked prefill, prefix-cache hits and preemption, on tiny random Llama and
-Qwen3 models (hidden 64, 2 layers: milliseconds per step)."""
+Qwen3 models (hidden 64, 2 layers: milliseconds per step), each served by the own decoder
+(``worker/decoder_model.py``, with the reference's weights) and by the transformers model itself."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 from trioserve.engine.scheduler import Scheduler, SchedulerConfig
 from trioserve.protocol.messages import AddRequest, RequestOutput, SamplingParams
 from trioserve.worker import packed_linear
+from trioserve.worker.decoder_model import CausalLM, assign, build
+from trioserve.worker.decoder_spec import DecoderSpec
 from trioserve.worker.model_runner import ModelRunner
 from trioserve.worker.sampler import Sampler, SamplingRow
 
@@ -62,6 +65,20 @@ def cpu_kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     return mode
 
 
+@pytest.fixture(params=["trioserve", "transformers"], autouse=True)
+def implementation(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """And each with both implementations of the model (``Engine.implementation``)."""
+    monkeypatch.setattr(Engine, "implementation", request.param)
+    return str(request.param)
+
+
+def own_copy(model: Any) -> CausalLM:
+    """The own decoder with a copy of transformers model ``model``'s weights, on its device."""
+    tensors = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    spec = DecoderSpec.from_mapping(model.config.to_dict())
+    return assign(build(spec), tensors, model.dtype).to(model.device).eval()
+
+
 def reference_greedy(model: Any, prompt: list[int], max_tokens: int) -> list[int]:
     model.set_attn_implementation("sdpa")
     with torch.inference_mode():
@@ -77,9 +94,12 @@ def reference_greedy(model: Any, prompt: list[int], max_tokens: int) -> list[int
 
 class Engine:
     """The pure scheduler and the runner in a loop: what the engine core does, minus processes.
-    ``cpu_kernels``: the runner's CPU fast paths (this module runs every test with and without them)."""
+    ``cpu_kernels``: the runner's CPU fast paths (this module runs every test with and without them);
+    ``implementation``: ``trioserve`` serves the own decoder with the weights of the transformers model
+    given, ``transformers`` that model itself (this module runs every test with both)."""
 
     cpu_kernels = "auto"
+    implementation = "trioserve"
 
     def __init__(self, model: Any, tokenizer: str | None = None, **limits: Any) -> None:
         config = dict(
@@ -89,7 +109,9 @@ class Engine:
         self.scheduler = Scheduler(SchedulerConfig(**config))
         fast = self.cpu_kernels == "auto" and model.device.type == "cpu"
         linears = sum(type(m) is torch.nn.Linear for m in model.modules())
-        if fast:  # packing replaces the linears in place: the caller's model stays generate()'s reference
+        if self.implementation == "trioserve":
+            model = own_copy(model)
+        elif fast:  # packing replaces the linears in place: the caller's model stays generate()'s reference
             model = copy.deepcopy(model)
         self.runner = ModelRunner(
             model,
@@ -109,6 +131,7 @@ class Engine:
             if packed_linear.MIN_BLOCKED_IN == 0:  # the all-blocked case: every one in the native blocks
                 modules = self.runner.model.modules()
                 assert sum(isinstance(m, packed_linear.BlockedLinear) for m in modules) == linears
+        assert self.runner.implementation == self.implementation
         self.tokens: dict[str, list[int]] = {}
         self.finish: dict[str, str] = {}
         self.cached: dict[str, int] = {}

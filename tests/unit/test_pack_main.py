@@ -1,6 +1,7 @@
 """``python -m trioserve.worker.pack_main``: a model folder packed and stored as the worker would pack
-it, so that the worker's own load then reads the store; and ``serve``'s rule for when it runs (a
-just-converted embedded model the workers will pack: one CPU rank in float32, kernels not off)."""
+it, so that the worker's own load then reads the store, with either model implementation; and
+``serve``'s rule for when it runs (a just-converted embedded model the workers will pack: one CPU rank
+in float32, kernels not off)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,10 @@ from trioserve.worker.model_runner import ModelRunner, RunnerConfig
 from trioserve.worker.native_kernels import NativeKernels
 
 
-def test_the_worker_reads_what_pack_main_stored(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("implementation", ["trioserve", "transformers"])
+def test_the_worker_reads_what_pack_main_stored(
+    implementation: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     folder = tmp_path / "model"
     model = tiny_model("llama")
@@ -33,7 +37,9 @@ def test_the_worker_reads_what_pack_main_stored(tmp_path: Path, monkeypatch: pyt
 
     monkeypatch.setattr(NativeKernels, "pack_linear", no_packing)
     monkeypatch.setattr(NativeKernels, "pack_linear_in_place", no_packing)
-    runner = ModelRunner.load(RunnerConfig(str(folder), 16, 4, "cpu", "float32", 1, tokenizer=None))
+    config = RunnerConfig(str(folder), 16, 4, "cpu", "float32", 1, tokenizer=None, model_impl=implementation)
+    runner = ModelRunner.load(config)
+    assert runner.implementation == implementation
     assert runner.packed_linears > 0
     assert pack_main.main([]) == 2
 

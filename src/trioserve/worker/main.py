@@ -38,7 +38,6 @@ from collections.abc import Callable
 
 import msgspec
 import torch
-import transformers
 
 from trioserve.models.geometry import KVGeometry
 from trioserve.models.shard_plan import ShardPlan
@@ -80,8 +79,6 @@ def run_worker(launch: WorkerLaunch | str, prefault: Prefault | None = None) -> 
     set_title(launch.title)
     setup_logging(launch.log_level)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # No tqdm bars in the server's log: the runner logs one line saying how long loading took.
-    transformers.utils.logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     steps = RingReader.attach(launch.steps_ring)
     results = RingWriter.attach(launch.results_ring) if launch.results_ring is not None else None
     encoder = msgspec.msgpack.Encoder()
@@ -253,6 +250,7 @@ def _load(launch: WorkerLaunch, prefault: Prefault | None = None) -> ModelRunner
         tp,
         tokenizer=launch.tokenizer,
         cpu_kernels=worker.cpu_kernels,
+        model_impl=worker.model_impl,
     )
     pool = None
     if prefault is not None and device == "cpu":

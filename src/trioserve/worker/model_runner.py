@@ -61,7 +61,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from trioserve.models.geometry import KVGeometry
 from trioserve.models.shard_plan import ShardPlan
@@ -69,12 +68,14 @@ from trioserve.protocol.messages import SamplingParams, TokenLogprobs
 from trioserve.protocol.step import SchedulerOutput
 from trioserve.protocol.worker_messages import StepResult
 from trioserve.worker import packed_linear
+from trioserve.worker.decoder_model import CausalLM
 from trioserve.worker.grammar import GrammarBook, GrammarState, add_bias
+from trioserve.worker.model_loader import ModelImpl, load_model
 from trioserve.worker.native_kernels import NativeKernels, native_kernels
 from trioserve.worker.native_layers import native_layers
 from trioserve.worker.native_mlp import fuse_silu_mlps
 from trioserve.worker.packed_store import PackedStore
-from trioserve.worker.paged_attention import ATTN_IMPLEMENTATION, BatchLayout, PagedKVCache, PrefillSpan
+from trioserve.worker.paged_attention import BatchLayout, PagedKVCache, PrefillSpan, attach_to_transformers
 from trioserve.worker.sampler import RequestProcessors, Sampler, SamplingRow, token_logprobs
 from trioserve.worker.tensor_parallel import all_reduce_min, init_group, shard_model
 from trioserve.worker.thread_context import ThreadContext
@@ -95,6 +96,7 @@ class RunnerConfig:
     tensor_parallel: TensorParallel | None = None  # None: the whole model in this process
     tokenizer: str | None = None  # the tokenizer folder structured output reads; None: ``model``'s
     cpu_kernels: str = "auto"  # WorkerConfig.cpu_kernels: auto, native or torch
+    model_impl: ModelImpl = "auto"  # WorkerConfig.model_impl (worker/model_loader.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +168,10 @@ class ModelRunner:
         cpu_kernels: str = "auto",
         packed_store: PackedStore | None = None,
     ) -> None:
+        if not isinstance(model, CausalLM):  # a transformers model: its attention becomes the paged one
+            attach_to_transformers(model)
         self.model = model
+        self.implementation = "trioserve" if isinstance(model, CausalLM) else "transformers"
         self.num_threads = num_threads  # the configured intra-op count; 0: torch's default, untouched
         self.threads = ThreadContext()
         self.last: ForwardRecord | None = None  # the latest step's forward, when asked to keep it
@@ -200,7 +205,6 @@ class ModelRunner:
         self.sequences: dict[str, _Sequence] = {}
         # The token id in every KV slot (block * block_size + offset), for the histories above.
         self.slot_tokens = torch.zeros(num_blocks * block_size, dtype=torch.long, device=self.device)
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
     @classmethod
     def load(cls, config: RunnerConfig, pool: mmap.mmap | None = None) -> ModelRunner:
@@ -214,10 +218,8 @@ class ModelRunner:
         device = torch.device(config.device)
         if tp is not None:
             init_group(tp.init_method, tp.rank, tp.size, device, tp.timeout)
-        model: Any = AutoModelForCausalLM.from_pretrained(
-            config.model, dtype=_DTYPES[config.dtype], attn_implementation=ATTN_IMPLEMENTATION
-        )
-        model = model.to(device).eval()
+        model, implementation = load_model(config.model, _DTYPES[config.dtype], config.model_impl)
+        model = model.to(device)
         num_blocks, kv_heads, shard = config.num_blocks, None, ""
         if tp is not None:
             plan = ShardPlan.from_mapping(model.config.to_dict(), tp.size)
@@ -247,11 +249,12 @@ class ModelRunner:
         )
         runner.load_seconds = time.perf_counter() - started
         log.info(
-            "loaded %s on %s (%s) in %.1f s; KV cache: %d blocks of %d tokens; CPU kernels: %s%s",
+            "loaded %s on %s (%s) in %.1f s, model: %s; KV cache: %d blocks of %d tokens; CPU kernels: %s%s",
             config.model,
             device,
             config.dtype,
             runner.load_seconds,
+            implementation,
             num_blocks,
             config.block_size,
             ("native (decode attention in place, the draw)" if runner.cache.native is not None else "torch's")

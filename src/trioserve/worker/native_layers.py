@@ -9,13 +9,14 @@ math in one pass.
 
 Rules:
 
-- Only the classes named in ``NORMS`` and ``ATTENTIONS`` are taken (the families the runner's tests
-  check against ``generate()``); any other module keeps its forward. Forwards are set on the
+- Only the own decoder's norms and attention (``worker/decoder_model.py``) and transformers' classes
+  named in ``NORMS`` and ``ATTENTIONS`` are taken (the families the runner's tests check against
+  ``generate()``); any other module keeps its forward. Forwards are set on the
   instance, so the module, its hooks and its place in the model stay.
 - A norm whose input is not a contiguous float32 CPU tensor runs transformers' forward.
-- The attention forward is transformers' (5.23) for these classes, step for step: the three
-  projections (whatever modules they are: packed, blocked, tensor-parallel shards, looked up at each
-  call), Qwen3's per-head norms, the rotary embedding, the attention function, the output
+- The attention forward is transformers' (5.23) for these classes, and the own decoder's, step for
+  step: the three projections (whatever modules they are: packed, blocked, tensor-parallel shards,
+  looked up at each call), Qwen3's per-head norms, the rotary embedding, the attention function, the output
   projection, except that the rotary embedding is applied in place on the projections' outputs (this
   forward's own temporaries) and the attention function is ``paged_attention`` itself: the runner
   installs this forward only on a model it runs with that attention (no transformers cache).
@@ -30,6 +31,7 @@ from typing import Any, Final
 import torch
 from torch import nn
 
+from trioserve.worker import decoder_model
 from trioserve.worker.native_kernels import NativeKernels
 from trioserve.worker.paged_attention import paged_attention
 
@@ -42,9 +44,9 @@ def native_layers(model: nn.Module, kernels: NativeKernels) -> int:
     count = 0
     for module in model.modules():
         name = type(module).__name__
-        if name in NORMS:
+        if isinstance(module, decoder_model.RMSNorm) or name in NORMS:
             module.forward = _norm_forward(module, kernels)
-        elif name in ATTENTIONS:
+        elif isinstance(module, decoder_model.Attention) or name in ATTENTIONS:
             module.forward = _attention_forward(module, kernels)
         else:
             continue

@@ -4,8 +4,8 @@ and store them (``worker/packed_store.py``) without serving it.
 ``serve`` runs it once, as a child, right after it converts the embedded model (the first run), so
 that the first start after the conversion maps the packed weights like every later one instead of
 packing and writing them itself (a start of 6.7-7.8 s instead of ~4 s here). The model is loaded as
-the worker loads it (``from_pretrained`` in float32 with the paged attention's name), so its packing
-plan, and with it the store's key, is the worker's. Exit code 0 when stored or already stored, 1 when
+the worker loads it (``worker/model_loader.py``, in float32), so its packing plan, and with it the
+store's key, is the worker's. Exit code 0 when stored or already stored, 1 when
 the native kernels cannot build here (then nothing is stored and the worker packs at each start, as
 it would anyway); it never touches the folder itself.
 """
@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from trioserve.runtime.process import setup_logging
+from trioserve.worker.model_loader import load_model
 from trioserve.worker.native_kernels import native_kernels
 from trioserve.worker.packed_linear import pack_linears
 from trioserve.worker.packed_store import PackedStore
-from trioserve.worker.paged_attention import ATTN_IMPLEMENTATION
 
 log = logging.getLogger("trioserve.worker")
 
@@ -38,9 +36,7 @@ def main(argv: list[str]) -> int:
     if kernels is None:
         log.info("packed weights not stored: the native CPU kernels do not build here")
         return 1
-    model: Any = AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION
-    )
+    model, _ = load_model(folder, torch.float32)
     with torch.no_grad():
         pack_linears(model, kernels, PackedStore(folder))
     return 0

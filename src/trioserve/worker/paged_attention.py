@@ -1,5 +1,6 @@
-"""A paged KV cache addressed by the scheduler's block tables, plugged into transformers models through
-the attention-function registry (``AttentionInterface``).
+"""A paged KV cache addressed by the scheduler's block tables, and the attention function that reads it:
+called by the own decoder's attention (``worker/decoder_model.py``), and plugged into transformers'
+models through their attention-function registry (``attach_to_transformers``).
 
 One forward pass computes every scheduled token of every request as one flat sequence
 ``[1, T]``: prefill chunks and decodes together, each token at its own position. The model runs with
@@ -17,9 +18,10 @@ function registered here does the rest for each layer:
 
 A prefill chunk that starts at position 0 needs no mask (SDPA's ``is_causal``) and reads nothing back.
 
-transformers skips its own mask construction for an attention implementation it has no mask function
-for, so the model's ``attention_mask`` argument is ``None`` here and this module owns all masking. This
-relies on the ``AttentionInterface`` call contract of transformers 5.23 (``module, query, key, value,
+The own decoder passes no mask, and transformers skips its own mask construction for an attention
+implementation it has no mask function for, so the ``attention_mask`` argument is ``None`` here and
+this module owns all masking. With transformers this relies on the ``AttentionInterface`` call
+contract of transformers 5.23 (``module, query, key, value,
 attention_mask, scaling=..., **kwargs`` with query ``[B, H, T, D]`` and a ``[B, T, H, D]`` result),
 which is why pyproject pins that version.
 """
@@ -33,7 +35,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
 
 from trioserve.worker.native_kernels import NativeKernels
 
@@ -196,4 +197,10 @@ def _decode_attention(
     return o.reshape(batch, num_heads, dim)
 
 
-AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
+def attach_to_transformers(model: Any) -> None:
+    """Make a transformers model's attention ``paged_attention`` (registered under
+    ``ATTN_IMPLEMENTATION``; transformers is imported here, not with this module)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
