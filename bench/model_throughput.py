@@ -267,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--api-cpu", type=int, default=1)
     ap.add_argument("--vllm-venv", default=str(DEFAULT_VLLM_VENV))
     ap.add_argument("--skip", action="append", default=[], choices=["trioserve", "transformers", "vllm"])
+    ap.add_argument(
+        "--serve-arg", action="append", default=[], help="one more argument for trioserve serve (repeatable)"
+    )
     ap.add_argument("--startup-timeout", type=float, default=300.0)
     ap.add_argument("--out", default=str(BENCH_DIR / "results" / "model_throughput"))
     ap.add_argument("--transformers-child", metavar="MODEL", help=argparse.SUPPRESS)
@@ -291,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     if "trioserve" not in args.skip:
         port = free_port()
         argv = [py, "-m", "trioserve", "serve", args.model, "--port", str(port), "--worker-threads", "1"]
-        argv += ["--max-model-len", max_len, "--kv-cache-gib", "2"]
+        argv += ["--max-model-len", max_len, "--kv-cache-gib", "2", *args.serve_arg]
         points += bench_server("trioserve", argv, args, prompts, log_dir)
     if "transformers" not in args.skip:
         points += bench_transformers(args, prompts, log_dir)

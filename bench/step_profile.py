@@ -47,6 +47,7 @@ from trioserve.engine.scheduler import Scheduler, SchedulerConfig
 from trioserve.models.embedded_model import ensure_default_model
 from trioserve.protocol.messages import AddRequest, SamplingParams
 from trioserve.worker import paged_attention
+from trioserve.worker.model_loader import ModelImpl
 from trioserve.worker.model_runner import ModelRunner, RunnerConfig
 
 BLOCK = 16
@@ -144,8 +145,12 @@ def tiny_model_dir(folder: Path) -> Path:
     return folder
 
 
-def profile_point(model_dir: Path, seqs: int, prompt: int, steps: int, kernels: str) -> dict[str, float]:
-    config = RunnerConfig(str(model_dir), seqs * 16, BLOCK, "cpu", "float32", 1, cpu_kernels=kernels)
+def profile_point(
+    model_dir: Path, seqs: int, prompt: int, steps: int, kernels: str, impl: ModelImpl
+) -> dict[str, float]:
+    config = RunnerConfig(
+        str(model_dir), seqs * 16, BLOCK, "cpu", "float32", 1, cpu_kernels=kernels, model_impl=impl
+    )
     runner = ModelRunner.load(config)
     clock = Clock()
     instrument(runner, clock)
@@ -198,10 +203,14 @@ def profile_point(model_dir: Path, seqs: int, prompt: int, steps: int, kernels: 
     return out
 
 
-def profile_prefill(model_dir: Path, seqs: int, prompt: int, kernels: str) -> dict[str, float]:
+def profile_prefill(
+    model_dir: Path, seqs: int, prompt: int, kernels: str, impl: ModelImpl
+) -> dict[str, float]:
     """One step prefilling ``seqs`` prompts of ``prompt`` tokens, instrumented, after one such step
     that warms the runner up (each on a fresh scheduler, so both get the same blocks)."""
-    config = RunnerConfig(str(model_dir), seqs * 16, BLOCK, "cpu", "float32", 1, cpu_kernels=kernels)
+    config = RunnerConfig(
+        str(model_dir), seqs * 16, BLOCK, "cpu", "float32", 1, cpu_kernels=kernels, model_impl=impl
+    )
     runner = ModelRunner.load(config)
     clock = Clock()
     instrument(runner, clock)
@@ -247,6 +256,12 @@ def main() -> None:
         choices=("auto", "native", "torch"),
         help="the runner's CPU fast paths (native kernels, packed linears; auto: where they build), torch's",
     )
+    parser.add_argument(
+        "--model-impl",
+        default="auto",
+        choices=("auto", "trioserve", "transformers"),
+        help="the model's implementation (worker/model_loader.py)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(
@@ -259,10 +274,12 @@ def main() -> None:
         dirs = {"tiny": tiny_model_dir(Path(tmp)), "smollm2": ensure_default_model()}
         for name, seqs in points:
             if args.prefill:
-                results[f"{name} @ {seqs}"] = profile_prefill(dirs[name], seqs, args.prompt, args.cpu_kernels)
+                results[f"{name} @ {seqs}"] = profile_prefill(
+                    dirs[name], seqs, args.prompt, args.cpu_kernels, args.model_impl
+                )
             else:
                 results[f"{name} @ {seqs}"] = profile_point(
-                    dirs[name], seqs, args.prompt, args.steps, args.cpu_kernels
+                    dirs[name], seqs, args.prompt, args.steps, args.cpu_kernels, args.model_impl
                 )
     print(
         "uptime (end):",
@@ -271,7 +288,8 @@ def main() -> None:
     heads = list(results)
     if args.prefill:
         print(f"\nms in one step prefilling every prompt ({args.prompt} tokens each, instrumented, after "
-              f"one warm-up step; --cpu-kernels {args.cpu_kernels}; % of the step)\n")  # fmt: skip
+              f"one warm-up step; --cpu-kernels {args.cpu_kernels}; --model-impl {args.model_impl}; "
+              "% of the step)\n")  # fmt: skip
         print("| part | " + " | ".join(heads) + " |")
         print("|---|" + "---|" * len(heads))
         for part in [*PARTS, "step (instrumented)"]:
@@ -282,7 +300,7 @@ def main() -> None:
             print(f"| {part.strip()} | " + " | ".join(cells) + " |")
         return
     print(f"\nms per decode step ({args.steps} plain and {args.steps} instrumented steps, "
-          f"{args.prompt}-token prompts, --cpu-kernels {args.cpu_kernels}; "
+          f"{args.prompt}-token prompts, --cpu-kernels {args.cpu_kernels}, --model-impl {args.model_impl}; "
           "% of the instrumented step)\n")  # fmt: skip
     print("| part | " + " | ".join(heads) + " |")
     print("|---|" + "---|" * len(heads))
