@@ -1,6 +1,6 @@
 """The worker's own Llama- and Qwen3-style decoder, in plain torch: the model the runner serves without
-importing transformers' model classes (issue 18, item 5: those imports were 2.3 s of a 4.9-s worker
-start-up here; torch itself is 1.7 s).
+importing transformers' model classes (issue 18, item 5: those imports were 3.1 s of the worker's 4.9 s
+of imports here, torch itself 1.7 s; docs/benchmarks.md).
 
 Rules:
 
