@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from tests.unit.test_decoder_spec import SHAPE
 from tests.unit.test_model_runner import tiny_model
 from trioserve.worker.decoder_model import CausalLM
 from trioserve.worker.model_loader import INDEX, SINGLE, load_model
@@ -62,18 +63,7 @@ def test_a_sharded_checkpoint(tmp_path: Path) -> None:
 
 
 def sliding_qwen3(folder: Path) -> None:
-    config = Qwen3Config(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        use_sliding_window=True,
-        sliding_window=8,
-        max_window_layers=1,
-    )
+    config = Qwen3Config(**SHAPE, head_dim=16, use_sliding_window=True, sliding_window=8, max_window_layers=1)
     Qwen3ForCausalLM(config).save_pretrained(folder)
 
 

@@ -11,13 +11,13 @@ Rules:
 
 - Only the own decoder's norms and attention (``worker/decoder_model.py``) and transformers' classes
   named in ``NORMS`` and ``ATTENTIONS`` are taken (the families the runner's tests check against
-  ``generate()``); any other module keeps its forward. Forwards are set on the
-  instance, so the module, its hooks and its place in the model stay.
+  ``generate()``); any other module keeps its forward. Forwards are set on the instance, so the
+  module, its hooks and its place in the model stay.
 - A norm whose input is not a contiguous float32 CPU tensor runs transformers' forward.
 - The attention forward is transformers' (5.23) for these classes, and the own decoder's, step for
   step: the three projections (whatever modules they are: packed, blocked, tensor-parallel shards,
-  looked up at each call), Qwen3's per-head norms, the rotary embedding, the attention function, the output
-  projection, except that the rotary embedding is applied in place on the projections' outputs (this
+  looked up at each call), Qwen3's per-head norms, the rotary embedding, the attention function, the
+  output projection, except that the rotary embedding is applied in place on the projections' outputs (this
   forward's own temporaries) and the attention function is ``paged_attention`` itself: the runner
   installs this forward only on a model it runs with that attention (no transformers cache).
 - Results differ from torch's by float32 rounding (a fused multiply-add, another summation order):

@@ -5,9 +5,10 @@ and store them (``worker/packed_store.py``) without serving it.
 that the first start after the conversion maps the packed weights like every later one instead of
 packing and writing them itself (a start of 6.7-7.8 s instead of ~4 s here). The model is loaded as
 the worker loads it (``worker/model_loader.py``, in float32), so its packing plan, and with it the
-store's key, is the worker's. Exit code 0 when stored or already stored, 1 when
-the native kernels cannot build here (then nothing is stored and the worker packs at each start, as
-it would anyway); it never touches the folder itself.
+store's key, is the worker's (the same with either ``--model-impl``: both have the same module
+names). Exit code 0 when stored or already stored, 1 when the native kernels cannot build here (then
+nothing is stored and the worker packs at each start, as it would anyway); it never touches the
+folder itself.
 """
 
 from __future__ import annotations

@@ -21,9 +21,8 @@ A prefill chunk that starts at position 0 needs no mask (SDPA's ``is_causal``) a
 The own decoder passes no mask, and transformers skips its own mask construction for an attention
 implementation it has no mask function for, so the ``attention_mask`` argument is ``None`` here and
 this module owns all masking. With transformers this relies on the ``AttentionInterface`` call
-contract of transformers 5.23 (``module, query, key, value,
-attention_mask, scaling=..., **kwargs`` with query ``[B, H, T, D]`` and a ``[B, T, H, D]`` result),
-which is why pyproject pins that version.
+contract of transformers 5.23 (``module, query, key, value, attention_mask, scaling=..., **kwargs``
+with query ``[B, H, T, D]`` and a ``[B, T, H, D]`` result), which is why pyproject pins that version.
 """
 
 from __future__ import annotations
