@@ -8,10 +8,11 @@ Rules:
   full causal attention on every layer (no sliding window), the rotary embedding's ``default`` or
   ``llama3`` frequencies over the whole head, no quantization and no nested text config. Anything
   else is ``Unsupported``: the loader then runs the model through transformers, which knows it.
-- A value transformers would take from its config class's default is taken from the same default
-  (transformers' ``LlamaConfig`` and ``Qwen3Config``) only where both classes agree; the shape keys,
-  ``rms_norm_eps``'s family defaults aside, must be in the file: a guess that differs from
-  transformers' would load the weights and compute something else.
+- A key missing from the file takes transformers' default for it only where ``LlamaConfig`` and
+  ``Qwen3Config`` agree on one (``rms_norm_eps``, ``tie_word_embeddings``, the biases, ``hidden_act``;
+  Llama's ``head_dim`` is its hidden size over its heads there too). The shape keys (``REQUIRED``) and
+  Qwen3's ``head_dim`` must be in the file: a guess that differed from transformers' would load the
+  weights and compute something else.
 - The rotary parameters are read from either form transformers writes or reads: ``rope_parameters``
   (5.x), or the top-level ``rope_theta`` with an optional ``rope_scaling`` (4.x checkpoints, whose
   type may be under ``type``).
