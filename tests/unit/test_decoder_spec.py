@@ -47,7 +47,7 @@ def test_what_transformers_writes_is_read_as_transformers_reads_it() -> None:
 def test_llama3_frequencies_are_transformers() -> None:
     config = LlamaConfig(**SHAPE, rope_parameters=dict(LLAMA3))
     spec = DecoderSpec.from_mapping(config.to_dict())
-    assert spec.rope.kind == "llama3"
+    assert spec.rope.llama3 is not None
     expected = LlamaRotaryEmbedding(config).inv_freq
     assert torch.equal(inv_freq(spec.rope, spec.head_dim), expected)
     # and it differs from the unscaled frequencies (the test would pass on those otherwise)
@@ -62,7 +62,7 @@ def test_a_4x_style_config() -> None:
     scaling = {k: v for k, v in LLAMA3.items() if k not in ("rope_type", "rope_theta")}
     raw = {**raw, "rope_theta": 500000.0, "rope_scaling": {"type": "llama3", **scaling}}
     rope = DecoderSpec.from_mapping(raw).rope
-    assert rope.kind == "llama3" and rope.theta == 500000.0 and rope.llama3 == (32.0, 1.0, 4.0, 8192.0)
+    assert rope.theta == 500000.0 and rope.llama3 == (32.0, 1.0, 4.0, 8192.0)
 
 
 LLAMA: dict[str, Any] = {"model_type": "llama", **SHAPE, "rope_theta": 10000.0}

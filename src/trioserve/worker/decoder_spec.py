@@ -45,8 +45,8 @@ class Unsupported(ValueError):
 @dataclass(frozen=True, slots=True)
 class RopeSpec:
     theta: float
-    kind: Literal["default", "llama3"] = "default"
-    # llama3 only: scaling factor, low and high frequency factors, original context length
+    # rope_type llama3: scaling factor, low and high frequency factors, original context length;
+    # None: the default frequencies
     llama3: tuple[float, float, float, float] | None = None
 
 
@@ -153,4 +153,4 @@ def _rope(raw: dict[str, Any]) -> RopeSpec:
     if not all(isinstance(v, (int, float)) for v in values):
         raise Unsupported(f"llama3 rope parameters need {', '.join(LLAMA3_KEYS)}")
     factor, low, high, original = (float(v) for v in values)  # type: ignore[arg-type]
-    return RopeSpec(float(theta), "llama3", (factor, low, high, original))
+    return RopeSpec(float(theta), (factor, low, high, original))
