@@ -151,7 +151,7 @@ def paged_attention(
     value_cache[layout.write_blocks, layout.write_offsets] = v
 
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
-    if not layout.prefills and layout.decode_rows.numel() == q.shape[0]:
+    if q.shape[0] and not layout.prefills and layout.decode_rows.numel() == q.shape[0]:
         # A step of decodes only: its rows are 0 .. T - 1 in order (``ModelRunner._layout``), so the
         # queries go to the decode attention and its result is the output, with no gather or scatter.
         decoded = _decode_attention(q.contiguous(), cache, layer, layout, num_kv_heads, scaling)
