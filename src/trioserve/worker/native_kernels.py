@@ -2,7 +2,8 @@
 ``ctypes`` (issue 18, item 2): decode attention that reads the paged KV cache in place
 (``native/paged_decode.c``), the sampler's draw (``native/inverse_cdf.c``) and the linear layers'
 products over weights packed in column blocks (``native/blocked_linear.c``), the gated MLP's
-SiLU(gate) * up (``native/silu_mul.c``), RMSNorm (``native/rms_norm.c``) and the rotary embedding
+SiLU(gate) * up (``native/silu_mul.c``; with its two products in one pass for a prefill's rows,
+``native/gated_linear.c``), RMSNorm (``native/rms_norm.c``) and the rotary embedding
 (``native/rope.c``).
 
 Why plain C files and not torch's extension tooling: the kernels need raw float pointers, nothing of
@@ -49,7 +50,15 @@ log = logging.getLogger(__name__)
 
 SOURCES: Final = tuple(
     Path(__file__).with_name("native") / name
-    for name in ("paged_decode.c", "inverse_cdf.c", "blocked_linear.c", "silu_mul.c", "rms_norm.c", "rope.c")
+    for name in (
+        "paged_decode.c",
+        "inverse_cdf.c",
+        "blocked_linear.c",
+        "gated_linear.c",
+        "silu_mul.c",
+        "rms_norm.c",
+        "rope.c",
+    )
 )
 HEADERS: Final = (Path(__file__).with_name("native") / "exp_neg.h",)  # in the key, not on the command line
 # -mprefer-vector-width=512: gcc 12 takes this Xeon for a Rocket Lake and then prefers 256-bit vectors,
@@ -142,7 +151,7 @@ def packed_size(out_features: int, in_features: int) -> int:
 
 class NativeKernels:
     """The loaded kernels: ``decode`` (one layer's decode attention for a batch), ``draw``, and
-    ``pack_linear`` / ``linear``, ``silu_mul``, ``rms_norm``, ``rope``."""
+    ``pack_linear`` / ``linear``, ``gated_linear``, ``silu_mul``, ``rms_norm``, ``rope``."""
 
     def __init__(self, library: Path) -> None:
         lib = ctypes.CDLL(str(library))
@@ -162,6 +171,9 @@ class NativeKernels:
         self._linear = lib.trioserve_blocked_linear
         self._linear.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, i64, i64]
         self._linear.restype = None
+        self._gated = lib.trioserve_gated_linear
+        self._gated.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64]
+        self._gated.restype = None
         self._silu_mul = lib.trioserve_silu_mul
         self._silu_mul.argtypes = [ptr, ptr, ptr, i64]
         self._silu_mul.restype = None
@@ -259,6 +271,36 @@ class NativeKernels:
             return out
         bounds = [blocks * i // parts for i in range(parts + 1)]
         self._split([partial(self._linear, *args, bounds[i], bounds[i + 1]) for i in range(parts)])
+        return out
+
+    def gated_linear(
+        self, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, out_features: int, threads: int = 1
+    ) -> torch.Tensor:
+        """``gated_linear.c``: ``SiLU(x Wg^T) * (x Wu^T)`` for ``x`` ``[..., in]`` float32 and the two
+        weights as ``pack_linear`` packed them (``out_features`` rows each, no bias) -> ``[..., out]``,
+        bit-equal to ``silu_mul(linear(x, gate), linear(x, up))``; the column blocks split over
+        ``threads`` as ``linear`` splits them."""
+        k = x.shape[-1]
+        blocks = -(-out_features // BLOCK)
+        size = (blocks * k * BLOCK,)
+        if (
+            x.dtype != torch.float32
+            or x.device.type != "cpu"
+            or any(w.dtype != torch.float32 or w.shape != size for w in (gate, up))
+        ):
+            raise ValueError("native gated linear: unsupported shapes, dtypes or device")
+        rows = x.reshape(-1, k).contiguous()
+        m = rows.shape[0]
+        out = torch.empty(*x.shape[:-1], out_features)
+        if m == 0:
+            return out
+        args = (rows.data_ptr(), m, k, gate.data_ptr(), up.data_ptr(), out_features, out.data_ptr())
+        parts = max(1, min(threads, blocks, 2 * m * k * out_features // MIN_MACS_PER_THREAD))
+        bounds = [blocks * i // parts for i in range(parts + 1)]
+        if parts == 1:
+            self._gated(*args, 0, blocks)
+        else:
+            self._split([partial(self._gated, *args, bounds[i], bounds[i + 1]) for i in range(parts)])
         return out
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

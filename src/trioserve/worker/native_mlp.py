@@ -5,7 +5,10 @@ transformers computes ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` with torc
 is not vectorised here, and a separate multiply: in a 1,024-token prefill of SmolLM2 those two were
 ~180 ms of 2.7 s (``docs/benchmarks.md``). ``fuse_silu_mlps`` gives each such MLP a forward that runs
 the same three products (whatever modules they are: packed, blocked, tensor-parallel shards) and
-``NativeKernels.silu_mul`` between them.
+``NativeKernels.silu_mul`` between them, or, for more than ``GATED_FROM`` rows on blocked weights,
+the gate and up products and the SiLU in one pass (``NativeKernels.gated_linear``): their outputs
+never go to memory (SmolLM2's 576 -> 1,536 pair on one core, three interleaved runs: 2,048 rows
+129-135 -> 102-110, 66-71 -> 59-65 and 115-120 -> 76-88 ms; 128 rows level; ``docs/benchmarks.md``).
 
 Rules:
 
@@ -13,22 +16,41 @@ Rules:
   SiLU (``nn.SiLU`` or transformers' ``SiLUActivation``); any other is left as it is.
 - The forward is set on the instance, so the module, its hooks and its place in the model stay.
 - The gate product is overwritten with the result: it is this forward's own temporary.
+- The one-pass form is taken when gate and up are both ``BlockedLinear`` of one shape without bias;
+  its result is bit-equal to the three-step form's, so which one runs changes no output.
+- Up to ``GATED_FROM`` rows (decode steps of up to that many streams) the products stay apart: there
+  the step waits on reading the weights, which the blocked kernel spreads over its tiles (at 32 rows
+  the one pass was 4-7 % slower, at 64 level).
 - The result differs from torch's by the exp's rounding (about 2 ulp): the runner's greedy tests
   against ``generate()`` run with it.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 import torch
 from torch import nn
 
 from trioserve.worker.native_kernels import NativeKernels
+from trioserve.worker.packed_linear import BlockedLinear
+
+GATED_FROM: Final = 128  # rows; past them the one pass was level (128) or faster (1,024 and up)
 
 
 def _is_silu(module: Any) -> bool:
     return isinstance(module, nn.SiLU) or type(module).__name__ == "SiLUActivation"
+
+
+def _pair(gate: Any, up: Any) -> bool:
+    """Gate and up are blocked weights of one shape without bias: ``gated_linear.c`` takes them."""
+    return (
+        isinstance(gate, BlockedLinear)
+        and isinstance(up, BlockedLinear)
+        and gate.bias is None
+        and up.bias is None
+        and (gate.in_features, gate.out_features) == (up.in_features, up.out_features)
+    )
 
 
 def fuse_silu_mlps(model: nn.Module, kernels: NativeKernels) -> int:
@@ -41,7 +63,14 @@ def fuse_silu_mlps(model: nn.Module, kernels: NativeKernels) -> int:
 
             def forward(x: torch.Tensor, mlp: Any = module) -> torch.Tensor:
                 # the products looked up at each call: whatever replaced them (packing, sharding) runs
-                out: torch.Tensor = mlp.down_proj(kernels.silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
+                gate, up = mlp.gate_proj, mlp.up_proj
+                if x.numel() > GATED_FROM * x.shape[-1] and _pair(gate, up):
+                    middle = kernels.gated_linear(
+                        x, gate.packed, up.packed, gate.out_features, torch.get_num_threads()
+                    )
+                else:
+                    middle = kernels.silu_mul(gate(x), up(x))
+                out: torch.Tensor = mlp.down_proj(middle)
                 return out
 
             module.forward = forward

@@ -60,7 +60,7 @@ class PackedLinear(nn.Module):
         self.out_features = linear.out_features
         with torch.no_grad():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), BATCH_HINT)
-            self.bias = None if linear.bias is None else linear.bias.detach().clone()
+            self.bias: torch.Tensor | None = None if linear.bias is None else linear.bias.detach().clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -93,7 +93,7 @@ class BlockedLinear(nn.Module):
                 self.packed = (
                     kernels.pack_linear_in_place(weight) if in_place else kernels.pack_linear(weight)
                 )
-            self.bias = None if linear.bias is None else linear.bias.detach().clone()
+            self.bias: torch.Tensor | None = None if linear.bias is None else linear.bias.detach().clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.linear(x, self.packed, self.out_features, self.bias, torch.get_num_threads())
