@@ -265,13 +265,22 @@ class NativeKernels:
         bias = None if bias is None else bias.contiguous()  # held until the calls are done
         b = None if bias is None else bias.data_ptr()
         args = (rows.data_ptr(), m, k, packed.data_ptr(), out_features, b, out.data_ptr())
-        parts = max(1, min(threads, blocks, m * k * out_features // MIN_MACS_PER_THREAD))
-        if parts == 1:  # a decode step's usual case: ~200 calls a step, no hand-off to build
-            self._linear(*args, 0, blocks)
-            return out
-        bounds = [blocks * i // parts for i in range(parts + 1)]
-        self._split([partial(self._linear, *args, bounds[i], bounds[i + 1]) for i in range(parts)])
+        self._over_blocks(
+            self._linear, args, blocks, min(threads, m * k * out_features // MIN_MACS_PER_THREAD)
+        )
         return out
+
+    def _over_blocks(
+        self, call: Callable[..., None], args: tuple[object, ...], blocks: int, parts: int
+    ) -> None:
+        """``call(*args, first, last)`` over ``blocks`` column blocks split into up to ``parts``
+        contiguous ranges, one a thread."""
+        parts = max(1, min(parts, blocks))
+        if parts == 1:  # a decode step's usual case: ~200 calls a step, no hand-off to build
+            call(*args, 0, blocks)
+            return
+        bounds = [blocks * i // parts for i in range(parts + 1)]
+        self._split([partial(call, *args, bounds[i], bounds[i + 1]) for i in range(parts)])
 
     def gated_linear(
         self, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, out_features: int, threads: int = 1
@@ -295,12 +304,9 @@ class NativeKernels:
         if m == 0:
             return out
         args = (rows.data_ptr(), m, k, gate.data_ptr(), up.data_ptr(), out_features, out.data_ptr())
-        parts = max(1, min(threads, blocks, 2 * m * k * out_features // MIN_MACS_PER_THREAD))
-        bounds = [blocks * i // parts for i in range(parts + 1)]
-        if parts == 1:
-            self._gated(*args, 0, blocks)
-        else:
-            self._split([partial(self._gated, *args, bounds[i], bounds[i + 1]) for i in range(parts)])
+        self._over_blocks(
+            self._gated, args, blocks, min(threads, 2 * m * k * out_features // MIN_MACS_PER_THREAD)
+        )
         return out
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,8 @@ is not vectorised here, and a separate multiply: in a 1,024-token prefill of Smo
 the same three products (whatever modules they are: packed, blocked, tensor-parallel shards) and
 ``NativeKernels.silu_mul`` between them, or, for more than ``GATED_FROM`` rows on blocked weights,
 the gate and up products and the SiLU in one pass (``NativeKernels.gated_linear``): their outputs
-never go to memory (SmolLM2's 576 -> 1,536 pair on one core, three interleaved runs: 2,048 rows
-129-135 -> 102-110, 66-71 -> 59-65 and 115-120 -> 76-88 ms; 128 rows level; ``docs/benchmarks.md``).
+never go to memory (SmolLM2's 576 -> 1,536 pair on one core, two interleaved runs: 2,048 rows
+129-159 -> 102-112 and 66-124 -> 59-67 ms; 128 rows level; ``docs/benchmarks.md``).
 
 Rules:
 

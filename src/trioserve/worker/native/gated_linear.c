@@ -32,6 +32,13 @@
 #define ROWS 3
 #endif
 
+/* silu_mul.c's formula, so the results are its bits */
+static inline float silu_times(const float g, const float u) {
+    const float e = exp_neg(-fabsf(g));
+    const float s = (g >= 0.0f ? 1.0f : e) / (1.0f + e);
+    return g * s * u;
+}
+
 static inline __attribute__((always_inline)) void gated_tile(const float *restrict x, const int rows, int64_t k,
                                                              const float *restrict g, const float *restrict u,
                                                              float *restrict out, int64_t n, int64_t cols) {
@@ -58,19 +65,9 @@ static inline __attribute__((always_inline)) void gated_tile(const float *restri
         float *restrict o = out + r * n;
         if (cols == HALF) {
 #pragma omp simd
-            for (int j = 0; j < HALF; j++) {
-                const float v = ga[r][j];
-                const float e = exp_neg(-fabsf(v));
-                const float s = (v >= 0.0f ? 1.0f : e) / (1.0f + e);
-                o[j] = v * s * ua[r][j];
-            }
+            for (int j = 0; j < HALF; j++) o[j] = silu_times(ga[r][j], ua[r][j]);
         } else {
-            for (int64_t j = 0; j < cols; j++) {
-                const float v = ga[r][j];
-                const float e = exp_neg(-fabsf(v));
-                const float s = (v >= 0.0f ? 1.0f : e) / (1.0f + e);
-                o[j] = v * s * ua[r][j];
-            }
+            for (int64_t j = 0; j < cols; j++) o[j] = silu_times(ga[r][j], ua[r][j]);
         }
     }
 }
