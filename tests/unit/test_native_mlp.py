@@ -73,13 +73,25 @@ def gate_and_up(kernels: NativeKernels, k: int, n: int) -> tuple[torch.Tensor, t
 
 @pytest.mark.parametrize(
     ("m", "k", "n"),
-    [(1, 64, 64), (9, 64, 64), (13, 576, 1536), (100, 96, 80), (200, 1536, 40), (257, 1536, 7)],
+    [
+        (1, 64, 64),
+        (9, 64, 64),
+        (13, 576, 1536),
+        (100, 96, 80),
+        (200, 1536, 40),
+        (257, 1536, 7),
+        (141, 576, 14 * 32 + 5),
+        (300, 576, 1536),
+        (1000, 100, 448),
+    ],
 )
 def test_the_one_pass_equals_the_products_then_silu_mul(
     kernels: NativeKernels, m: int, k: int, n: int
 ) -> None:
     """Rows a tile leaves over (13, 100), panels crossed (k = 1,536 holds 64 rows a panel), widths of
-    part of a half block (7), of more than half of one (40, 80): every value bit-equal."""
+    part of a half block (7), of more than half of one (40, 80); past 128 rows of 12 or more blocks,
+    AVX-512's 14-row tiles over a copy of x (141 rows, a partial last block; 300 rows, 168 a panel;
+    1,000 rows, 980 a panel): every value bit-equal."""
     pg, pu = gate_and_up(kernels, k, n)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     want = kernels.silu_mul(kernels.linear(x, pg, n), kernels.linear(x, pu, n))

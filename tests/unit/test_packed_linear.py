@@ -71,6 +71,31 @@ def test_every_tiling_of_the_rows(kernels: NativeKernels, rows: int) -> None:
     torch.testing.assert_close(got, x @ weight.t() + bias, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("inputs", [100, 576])
+@pytest.mark.parametrize("rows", [129, 140, 141, 155, 300, 1000])
+def test_a_prefills_tiles_write_the_bits_of_a_decodes(
+    kernels: NativeKernels, bias: bool, inputs: int, rows: int
+) -> None:
+    """Past 128 rows, with AVX-512, the full blocks go in 14-row tiles over a copy of x (the rows a
+    tile, a panel or the copy leave over differ here, 576 inputs: 168 rows a panel, 100: 980), the
+    partial last block in the tiles above; every output is the same sum in the same order as the
+    tiles of up to 8 rows a decode step takes, so the bits are equal, split over threads or not."""
+    torch.manual_seed(4)
+    weight = torch.randn(14 * BLOCK + 5, inputs)
+    b = torch.randn(weight.shape[0]) if bias else None
+    packed = kernels.pack_linear(weight)
+    x = torch.randn(rows, inputs)
+    got = kernels.linear(x, packed, weight.shape[0], b, threads=1)
+    by_eight = torch.cat(
+        [kernels.linear(x[r : r + 8], packed, weight.shape[0], b, threads=1) for r in range(0, rows, 8)]
+    )
+    assert torch.equal(got, by_eight)
+    assert torch.equal(kernels.linear(x, packed, weight.shape[0], b, threads=2), got)
+    want = x @ weight.t() + (b if b is not None else 0)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_a_non_contiguous_input(kernels: NativeKernels) -> None:
     torch.manual_seed(1)
     linear = nn.Linear(40, 70)

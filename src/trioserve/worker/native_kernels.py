@@ -60,7 +60,9 @@ SOURCES: Final = tuple(
         "rope.c",
     )
 )
-HEADERS: Final = (Path(__file__).with_name("native") / "exp_neg.h",)  # in the key, not on the command line
+HEADERS: Final = tuple(
+    Path(__file__).with_name("native") / name for name in ("exp_neg.h", "packed_rows.h")
+)  # in the key, not on the command line
 # -mprefer-vector-width=512: gcc 12 takes this Xeon for a Rocket Lake and then prefers 256-bit vectors,
 # which left the blocked linear at ~100 GFLOP/s where oneDNN's AVX-512 reached ~170 (a 1,024-row
 # product here); with 512-bit ones, 140-165. A compiler or CPU without AVX-512 ignores the preference.

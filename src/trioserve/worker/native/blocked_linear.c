@@ -27,8 +27,14 @@
  *   prefetch past the block's end reads the next block's start or nothing: it never faults.
  * - Each output is a sum over i in increasing order, one rounding per product added: within float32
  *   rounding of F.linear's, not bit-equal to it.
+ * - With AVX-512, past PACKED_FROM rows (a prefill's), the full blocks take tiles of PACKED_ROWS rows
+ *   whose x is first copied per panel as [tile][k][PACKED_ROWS] (packed_rows.h), so a step's
+ *   broadcasts read one line and 28 accumulators hide more of the loads: 1,024-2,048 rows of SmolLM2's
+ *   products 3-11 % faster on an AVX-512 Xeon (level for the 6-block k and v projections, hence
+ *   PACKED_BLOCKS). The sums run in the same order as every other tile's: the bits of the 8-row tiles.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define BLOCK 32
@@ -144,12 +150,88 @@ static inline __attribute__((always_inline)) void tile(const float *restrict x, 
     }
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+#include "packed_rows.h"
+
+/* rows (1 .. PACKED_ROWS) of a packed tile (xp: [k][PACKED_ROWS], rows past `rows` zero) against a
+ * whole block; the tiles after a panel's first ask for `ahead_rows` rows of the next block from
+ * `ahead`, spread over their steps (as the tiles above do). */
+static inline __attribute__((always_inline)) void packed_tile(const float *restrict xp, const float *restrict w,
+                                                              int64_t k, const float *restrict bias,
+                                                              float *restrict y, int64_t n, int rows,
+                                                              const float *ahead, int64_t ahead_rows) {
+    __m512 a0[PACKED_ROWS], a1[PACKED_ROWS];
+    for (int r = 0; r < PACKED_ROWS; r++) a0[r] = a1[r] = _mm512_setzero_ps();
+    const int64_t every = ahead_rows > 0 ? k / ahead_rows : k + 1;
+    int64_t wait = every;
+#pragma GCC unroll 2
+    for (int64_t i = 0; i < k; i++) {
+        const __m512 w0 = _mm512_loadu_ps(w + i * BLOCK), w1 = _mm512_loadu_ps(w + i * BLOCK + 16);
+        if (--wait == 0 && ahead_rows > 0) {
+            __builtin_prefetch(ahead, 0, 2);
+            __builtin_prefetch(ahead + 16, 0, 2);
+            ahead += BLOCK;
+            ahead_rows--;
+            wait = every;
+        }
+        const float *restrict xi = xp + i * PACKED_ROWS;
+        for (int r = 0; r < PACKED_ROWS; r++) {
+            const __m512 b = _mm512_set1_ps(xi[r]);
+            a0[r] = _mm512_fmadd_ps(b, w0, a0[r]);
+            a1[r] = _mm512_fmadd_ps(b, w1, a1[r]);
+        }
+    }
+    const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+    const __m512 b1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
+    for (int r = 0; r < rows; r++) {
+        _mm512_storeu_ps(y + r * n, bias ? _mm512_add_ps(a0[r], b0) : a0[r]);
+        _mm512_storeu_ps(y + r * n + 16, bias ? _mm512_add_ps(a1[r], b1) : a1[r]);
+    }
+}
+
+/* Blocks first .. last - 1, all full, for every row, in packed tiles; 0 if the panel's copy could not
+ * be allocated (the caller then takes the tiles above). */
+static int packed_linear(const float *restrict x, int64_t m, int64_t k, const float *restrict p, int64_t n,
+                         const float *restrict bias, float *restrict y, int64_t first, int64_t last) {
+    const int64_t panel = packed_panel(m, k, PANEL_BYTES);
+    float *xp = malloc((size_t)(panel * k) * sizeof(float));
+    if (!xp) return 0;
+    for (int64_t p0 = 0; p0 < m; p0 += panel) {
+        const int64_t p1 = m - p0 < panel ? m : p0 + panel;
+        const int64_t tiles = (p1 - p0 + PACKED_ROWS - 1) / PACKED_ROWS;
+        pack_rows(x, k, p0, p1, xp);
+        const int64_t share = tiles > 1 ? (k + tiles - 2) / (tiles - 1) : 0;
+        for (int64_t b = first; b < last; b++) {
+            const float *block = p + b * k * BLOCK;
+            const float *next = b + 1 < last ? block + k * BLOCK : 0;
+            for (int64_t t = 0; t < tiles; t++) {
+                const int64_t r0 = p0 + t * PACKED_ROWS;
+                const int rows = p1 - r0 < PACKED_ROWS ? (int)(p1 - r0) : PACKED_ROWS;
+                const int64_t from = t > 0 ? (t - 1) * share : k;
+                const int64_t count = next && from < k ? (k - from < share ? k - from : share) : 0;
+                packed_tile(xp + t * PACKED_ROWS * k, block, k, bias ? bias + b * BLOCK : 0, y + r0 * n + b * BLOCK,
+                            n, rows, next ? next + from * BLOCK : 0, count);
+            }
+        }
+    }
+    free(xp);
+    return 1;
+}
+#endif
+
 #define TILE(rows, width) tile(xt, rows, width, k, block, c0, bb, yt, n, cols, 1, ahead)
 #define TILE_UP_TO_8(rows) tile(xt, rows, BLOCK, k, block, c0, bb, yt, n, cols, 0, ahead)
 
 void trioserve_blocked_linear(const float *restrict x, int64_t m, int64_t k, const float *restrict p,
                               int64_t n, const float *restrict bias, float *restrict y, int64_t first,
                               int64_t last) {
+#if defined(__AVX512F__)
+    const int64_t full = last < n / BLOCK ? last : n / BLOCK; /* the blocks with no padding */
+    if (m >= PACKED_FROM && full - first >= PACKED_BLOCKS && packed_linear(x, m, k, p, n, bias, y, first, full)) first = full;
+    if (first >= last) return;
+#endif
     /* up to 8 rows (a decode step's), tiles of FULL_ROWS by the whole block: one stream per block;
      * more rows, tiles of ROWS by WIDTH, in panels of rows that stay in L2 across all blocks */
     const int rows = m <= 8 ? FULL_ROWS : ROWS;

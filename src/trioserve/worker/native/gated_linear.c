@@ -16,9 +16,12 @@
  * - Each gate and up value is a sum over i in increasing order from 0, as blocked_linear.c sums
  *   without a bias, and the SiLU is silu_mul.c's formula: the result is bit-equal to the two
  *   products followed by silu_mul.c.
+ * - With AVX-512, past PACKED_FROM rows, blocked_linear.c's packed tiles of x (packed_rows.h): 14 rows
+ *   by a half block of gate and of up columns, the same sums in the same order, so the same bits.
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "exp_neg.h"
 
@@ -72,11 +75,73 @@ static inline __attribute__((always_inline)) void gated_tile(const float *restri
     }
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+#include "packed_rows.h"
+
+/* rows (1 .. PACKED_ROWS) of a packed tile (xp: [k][PACKED_ROWS]) against a half block of gate (g)
+ * and of up (u) columns, all HALF of them there */
+static inline __attribute__((always_inline)) void packed_gated_tile(const float *restrict xp, int64_t k,
+                                                                    const float *restrict g,
+                                                                    const float *restrict u,
+                                                                    float *restrict out, int64_t n, int rows) {
+    __m512 ga[PACKED_ROWS], ua[PACKED_ROWS];
+    for (int r = 0; r < PACKED_ROWS; r++) ga[r] = ua[r] = _mm512_setzero_ps();
+#pragma GCC unroll 2
+    for (int64_t i = 0; i < k; i++) {
+        const __m512 gi = _mm512_loadu_ps(g + i * BLOCK), ui = _mm512_loadu_ps(u + i * BLOCK);
+        __builtin_prefetch(g + (i + PREFETCH) * BLOCK);
+        __builtin_prefetch(u + (i + PREFETCH) * BLOCK);
+        const float *restrict xi = xp + i * PACKED_ROWS;
+        for (int r = 0; r < PACKED_ROWS; r++) {
+            const __m512 b = _mm512_set1_ps(xi[r]);
+            ga[r] = _mm512_fmadd_ps(b, gi, ga[r]);
+            ua[r] = _mm512_fmadd_ps(b, ui, ua[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        float gs[HALF] __attribute__((aligned(64))), us[HALF] __attribute__((aligned(64)));
+        _mm512_store_ps(gs, ga[r]);
+        _mm512_store_ps(us, ua[r]);
+        float *restrict o = out + r * n;
+#pragma omp simd
+        for (int j = 0; j < HALF; j++) o[j] = silu_times(gs[j], us[j]);
+    }
+}
+
+/* Blocks first .. last - 1, all full, in packed tiles; 0 if the copy of x could not be allocated. */
+static int packed_gated(const float *restrict x, int64_t m, int64_t k, const float *restrict pg,
+                        const float *restrict pu, int64_t n, float *restrict out, int64_t first, int64_t last) {
+    const int64_t panel = packed_panel(m, k, PANEL_BYTES);
+    float *xp = malloc((size_t)(panel * k) * sizeof(float));
+    if (!xp) return 0;
+    for (int64_t p0 = 0; p0 < m; p0 += panel) {
+        const int64_t p1 = m - p0 < panel ? m : p0 + panel;
+        pack_rows(x, k, p0, p1, xp);
+        for (int64_t b = first; b < last; b++)
+            for (int64_t c0 = 0; c0 < BLOCK; c0 += HALF)
+                for (int64_t r0 = p0; r0 < p1; r0 += PACKED_ROWS)
+                    packed_gated_tile(xp + (r0 - p0) * k, k, pg + b * k * BLOCK + c0, pu + b * k * BLOCK + c0,
+                                      out + r0 * n + b * BLOCK + c0, n,
+                                      p1 - r0 < PACKED_ROWS ? (int)(p1 - r0) : PACKED_ROWS);
+    }
+    free(xp);
+    return 1;
+}
+#endif
+
 #define GATED(rows) gated_tile(x + r0 * k, rows, k, g, u, out + r0 * n + col, n, cols)
 
 void trioserve_gated_linear(const float *restrict x, int64_t m, int64_t k, const float *restrict pg,
                             const float *restrict pu, int64_t n, float *restrict out, int64_t first,
                             int64_t last) {
+#if defined(__AVX512F__)
+    const int64_t full = last < n / BLOCK ? last : n / BLOCK; /* the blocks with no padding */
+    if (m >= PACKED_FROM && full - first >= PACKED_BLOCKS && packed_gated(x, m, k, pg, pu, n, out, first, full))
+        first = full;
+    if (first >= last) return;
+#endif
     int64_t panel = PANEL_BYTES / (4 * k) / ROWS * ROWS;
     if (panel < ROWS) panel = ROWS;
     for (int64_t p0 = 0; p0 < m; p0 += panel) {
